@@ -1,0 +1,439 @@
+"""Environment base classes and the typed parameter schema.
+
+An environment builds a deterministic dataset from a seed, plays one rollout of an
+example against a policy, and scores it with its rubric. `MultiTurnEnv` holds the loop
+(`setup_state`, `env_response`, `is_completed`, `max_turns`); `SingleTurnEnv` is the
+one-reply case; `ToolEnv` runs Python functions the model calls and answers with tool
+messages. Parameters are declared as `Param`s so the CLI validates `-a` JSON and the web
+builds its form from the same schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+import re
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, get_type_hints
+
+from rlcore.parsers import XMLParser
+from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
+from rlcore.rubric import Rubric
+from rlcore.types import Example, Message, Rollout, SamplingParams, Turn
+
+# ---------------------------------------------------------------------------------------
+# Parameters
+
+
+class ParamError(ValueError):
+    """Bad environment parameters; `errors` maps each bad field to what was wrong."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+@dataclass(frozen=True)
+class Param:
+    """One typed, documented environment parameter."""
+
+    name: str
+    type: type  # int, float, bool or str
+    default: Any
+    help: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "type": self.type.__name__,
+            "default": self.default,
+            "help": self.help,
+            "min": self.min,
+            "max": self.max,
+            "choices": list(self.choices) if self.choices else None,
+        }
+
+    def coerce(self, value: Any) -> Any:
+        """The value as this parameter's type, or ValueError saying what is accepted."""
+        if self.type is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "on", "off"):
+                return value.lower() in ("true", "1", "on")
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise ValueError(f"expected true or false, got {value!r}")
+        if self.type is int:
+            if isinstance(value, bool):
+                raise ValueError(f"expected an integer, got {value!r}")
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            try:
+                value = int(value) if not isinstance(value, int) else value
+            except (TypeError, ValueError):
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        elif self.type is float:
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"expected a number, got {value!r}") from None
+            if value != value:
+                raise ValueError("expected a number, got NaN")
+        elif self.type is str:
+            if not isinstance(value, str):
+                raise ValueError(f"expected text, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"expected one of {list(self.choices)}, got {value!r}")
+        if self.min is not None and value < self.min:
+            raise ValueError(f"must be at least {self.min}, got {value!r}")
+        if self.max is not None and value > self.max:
+            raise ValueError(f"must be at most {self.max}, got {value!r}")
+        return value
+
+
+def validate_params(schema: list[Param], values: dict | None) -> dict:
+    """Defaults filled in, every value coerced; unknown names are errors, not ignored."""
+    values = dict(values or {})
+    known = {p.name for p in schema}
+    errors = {
+        name: f"unknown parameter; accepted: {', '.join(sorted(known)) or 'none'}"
+        for name in values
+        if name not in known
+    }
+    resolved = {}
+    for param in schema:
+        if param.name not in values:
+            resolved[param.name] = param.default
+            continue
+        try:
+            resolved[param.name] = param.coerce(values[param.name])
+        except ValueError as exc:
+            errors[param.name] = str(exc)
+    if errors:
+        raise ParamError(errors)
+    return resolved
+
+
+def example_seed(seed: int, index: int) -> int:
+    """A stable 31-bit seed for example `index` of a dataset built from `seed`."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------------------
+# Environments
+
+
+class Environment(ABC):
+    """An environment: dataset + rollout loop + rubric, configured by typed params."""
+
+    name: ClassVar[str] = "env"
+    description: ClassVar[str] = ""
+    params: ClassVar[list[Param]] = []
+
+    def __init__(self, **params: Any):
+        self.config = validate_params(self.params, params)
+        errors = self.check_params(self.config)
+        if errors:
+            raise ParamError(errors)
+        self.parser = self.build_parser()
+        self.rubric = self.build_rubric()
+
+    # -- to override ---------------------------------------------------------------------
+    def check_params(self, config: dict) -> dict[str, str]:
+        """Cross-field checks (e.g. min <= max); returns field -> error."""
+        return {}
+
+    def build_parser(self) -> Any:
+        return XMLParser(["answer"])
+
+    @abstractmethod
+    def build_rubric(self) -> Rubric: ...
+
+    @abstractmethod
+    def make_example(self, index: int, seed: int) -> Example:
+        """Example `index`, fully determined by (seed, index)."""
+
+    @property
+    def num_groups(self) -> int:
+        """How many strata examples fall into (1 = no stratification)."""
+        return 1
+
+    def outcome(self, state: dict, rewards: dict[str, float]) -> str | None:
+        """A categorical label for summaries (e.g. win/draw/loss); None if the env has none."""
+        return None
+
+    def builtin_policies(self) -> dict[str, Callable[[], Policy]]:
+        """Players the env provides itself, by name (e.g. oracle, random)."""
+        return {"constant": ConstantPolicy}
+
+    # -- shared --------------------------------------------------------------------------
+    def examples(self, n: int, seed: int = 0, offset: int = 0) -> list[Example]:
+        return [self.make_example(offset + i, seed) for i in range(n)]
+
+    @abstractmethod
+    async def rollout(
+        self, policy: Policy, example: Example, sampling: SamplingParams
+    ) -> Rollout: ...
+
+    def score(self, rollout: Rollout, example: Example) -> None:
+        """Fill rewards, reward and outcome of a finished rollout."""
+        rollout.rewards, rollout.reward = self.rubric.score(
+            messages=rollout.messages,
+            completion=rollout.completion,
+            state=rollout.state,
+            example=example,
+            parser=self.parser,
+        )
+        rollout.outcome = self.outcome(rollout.state, rollout.rewards)
+
+    @classmethod
+    def schema(cls) -> list[dict]:
+        return [p.to_dict() for p in cls.params]
+
+
+class MultiTurnEnv(Environment):
+    """The multi-turn loop: the model replies, the env answers, until done or max turns."""
+
+    max_turns: int = 10
+
+    def setup_state(self, example: Example) -> dict:
+        return {}
+
+    def is_completed(self, messages: list[Message], state: dict) -> bool:
+        return False
+
+    def env_response(self, messages: list[Message], state: dict) -> list[Message]:
+        """Messages the environment appends after a model turn (may be async)."""
+        return []
+
+    def turn_limit(self) -> int:
+        return int(self.config.get("max_turns", self.max_turns))
+
+    @property
+    def tool_schemas(self) -> list[dict] | None:
+        return None
+
+    def assistant_message(self, generation) -> Message:
+        message: Message = {"role": "assistant", "content": generation.text}
+        if generation.tool_calls:
+            message["tool_calls"] = generation.tool_calls
+        return message
+
+    async def rollout(self, policy: Policy, example: Example, sampling: SamplingParams) -> Rollout:
+        started = time.monotonic()
+        messages = copy.deepcopy(example.prompt)
+        state = self.setup_state(example)
+        rollout = Rollout(
+            example_id=example.id,
+            seed=example.seed,
+            group=example.group,
+            messages=messages,
+            prompt_len=len(messages),
+            info=dict(example.info),
+        )
+        try:
+            while not self.is_completed(messages, state):
+                if rollout.num_turns >= self.turn_limit():
+                    rollout.truncated = True
+                    state["hit_max_turns"] = True
+                    break
+                generation = await policy.generate(
+                    messages, sampling, tools=self.tool_schemas, state=state
+                )
+                rollout.num_turns += 1
+                rollout.prompt_tokens += generation.prompt_tokens
+                rollout.completion_tokens += generation.completion_tokens
+                if generation.finish_reason == "length":
+                    rollout.truncated = True
+                if generation.completion_ids is not None:
+                    rollout.turns.append(
+                        Turn(
+                            prompt_ids=list(generation.prompt_ids or []),
+                            completion_ids=list(generation.completion_ids),
+                            logprobs=generation.logprobs,
+                            finish_reason=generation.finish_reason,
+                        )
+                    )
+                messages.append(self.assistant_message(generation))
+                if self.is_completed(messages, state):
+                    break
+                reply = self.env_response(messages, state)
+                if inspect.isawaitable(reply):
+                    reply = await reply
+                messages.extend(reply)
+        except PolicyError as exc:
+            rollout.error = f"policy error: {exc}"
+        rollout.state = state
+        self.score(rollout, example)
+        rollout.seconds = time.monotonic() - started
+        return rollout
+
+
+class SingleTurnEnv(MultiTurnEnv):
+    """One prompt, one reply, scored."""
+
+    max_turns = 1
+
+    def turn_limit(self) -> int:
+        return 1
+
+    def is_completed(self, messages: list[Message], state: dict) -> bool:
+        return bool(messages) and messages[-1].get("role") == "assistant"
+
+
+# ---------------------------------------------------------------------------------------
+# Tools
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+
+
+def tool_schema(func: Callable) -> dict:
+    """An OpenAI-style function schema from a Python function's signature and docstring."""
+    hints = get_type_hints(func)
+    properties, required = {}, []
+    doc = inspect.getdoc(func) or ""
+    arg_docs = dict(re.findall(r"^\s*(\w+):\s*(.+)$", doc, re.MULTILINE))
+    for name, param in inspect.signature(func).parameters.items():
+        prop = {"type": _JSON_TYPES.get(hints.get(name, str), "string")}
+        if name in arg_docs:
+            prop["description"] = arg_docs[name]
+        properties[name] = prop
+        if param.default is inspect.Parameter.empty:
+            required.append(name)
+    return {
+        "type": "function",
+        "function": {
+            "name": func.__name__,
+            "description": doc.split("\n\n")[0].strip(),
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_text_tool_calls(text: str | None) -> list[dict]:
+    """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+    Models served without native tool calling write calls in text (the Hermes/Qwen
+    convention). Malformed JSON becomes a call named "" so the env can answer with an error.
+    """
+    calls = []
+    for i, raw in enumerate(_TOOL_CALL_RE.findall(text or "")):
+        try:
+            body = json.loads(raw.strip())
+            name = str(body.get("name", ""))
+            arguments = body.get("arguments", {})
+        except (json.JSONDecodeError, AttributeError):
+            name, arguments = "", raw.strip()
+        calls.append(
+            {
+                "id": f"call_{i}_{uuid.uuid4().hex[:8]}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments
+                    if isinstance(arguments, str)
+                    else json.dumps(arguments),
+                },
+            }
+        )
+    return calls
+
+
+class ToolEnv(MultiTurnEnv):
+    """The model may call Python functions; each call's result comes back as a tool message.
+
+    The episode ends when the model replies without a tool call (its final answer) or at
+    max turns. `state` counts calls and errors for tool-use metrics.
+    """
+
+    tools: ClassVar[list[Callable]] = []
+
+    @property
+    def tool_schemas(self) -> list[dict]:
+        return [tool_schema(f) for f in self.tools]
+
+    def tools_prompt(self) -> str:
+        """Tool instructions for models without native tool calling."""
+        lines = [json.dumps(s["function"]) for s in self.tool_schemas]
+        return (
+            "You can call these tools:\n"
+            + "\n".join(lines)
+            + '\nTo call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call> '
+            "and wait for the result."
+        )
+
+    def setup_state(self, example: Example) -> dict:
+        return {"tool_calls": 0, "tool_errors": 0}
+
+    def _calls(self, message: Message) -> list[dict]:
+        return message.get("tool_calls") or parse_text_tool_calls(message.get("content"))
+
+    def assistant_message(self, generation) -> Message:
+        message = super().assistant_message(generation)
+        if not generation.tool_calls:
+            calls = parse_text_tool_calls(generation.text)
+            if calls:
+                message["tool_calls"] = calls
+        return message
+
+    def is_completed(self, messages: list[Message], state: dict) -> bool:
+        last = messages[-1] if messages else {}
+        return last.get("role") == "assistant" and not self._calls(last)
+
+    def call_tool(self, name: str, arguments: Any) -> str:
+        by_name = {f.__name__: f for f in self.tools}
+        if name not in by_name:
+            raise ValueError(f"unknown tool {name!r}; available: {', '.join(by_name)}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"arguments are not valid JSON: {exc.msg}") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+        return str(by_name[name](**arguments))
+
+    def env_response(self, messages: list[Message], state: dict) -> list[Message]:
+        replies = []
+        for call in self._calls(messages[-1]):
+            state["tool_calls"] += 1
+            function = call.get("function", {})
+            try:
+                content = self.call_tool(function.get("name", ""), function.get("arguments", {}))
+            except Exception as exc:  # a tool's failure is the model's feedback, not a crash
+                state["tool_errors"] += 1
+                content = f"Error: {exc}"
+            replies.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.get("id", ""),
+                    "name": function.get("name", ""),
+                    "content": content,
+                }
+            )
+        return replies
+
+
+@dataclass
+class EnvInfo:
+    """What the registry tells the CLI and the web about one environment."""
+
+    name: str
+    cls: type[Environment]
+    description: str = ""
+    params: list[dict] = field(default_factory=list)
