@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `make test`: makes sure Redis, PostgreSQL and Debian's chromium are there, then runs
+# every test (unit, worker, websocket and browser tests) against the real services.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/services.sh
+
+export TEST_REDIS_URL=${TEST_REDIS_URL:-redis://127.0.0.1:6379/14}
+export REDIS_URL=$TEST_REDIS_URL
+export DATABASE_URL=${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/rllab}
+export RLCORE_HOME=${RLCORE_HOME:-$PWD/var/test-rlcore}
+
+ensure_redis "$REDIS_URL"
+ensure_postgres "${DATABASE_URL%/*}/postgres"
+
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "chromium: installing Debian's chromium for the browser tests"
+  if [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+  else
+    sudo apt-get install -y -q chromium >/dev/null
+  fi
+fi
+
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/pytest -q "$@"
