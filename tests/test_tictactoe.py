@@ -1,0 +1,520 @@
+"""The tic-tac-toe environment end to end: parameters, seeded examples and stratified
+opponent strength, full games through `run_rollouts`, invalid-move handling and its capped
+penalty, the reward functions, and the Play page's `PlaySession`."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlcore.envs import ParamError, load_environment
+from rlcore.envs.tictactoe import (
+    OraclePolicy,
+    PlaySession,
+    RandomValidPolicy,
+    TicTacToeEnv,
+    format_reward,
+    is_well_formatted,
+    outcome_label,
+    parse_move,
+    render_board,
+)
+from rlcore.policy import load_policy
+from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
+from rlcore.rollout import run_rollouts
+from rlcore.types import Generation, SamplingParams
+
+SAMPLING = SamplingParams()
+
+
+class ScriptedPolicy(Policy):
+    """Replies with the given texts in order, then hands over to `then` (a real player)."""
+
+    name = "scripted"
+
+    def __init__(self, replies: list[str], then: Policy | None = None):
+        self.replies = list(replies)
+        self.then = then or OraclePolicy()
+
+    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
+        if self.replies:
+            return Generation(text=self.replies.pop(0))
+        return await self.then.generate(messages, sampling, tools=tools, state=state)
+
+
+def first_example(env: TicTacToeEnv, **info) -> object:
+    """The first example (seed 0) whose info matches `info`."""
+    for example in env.examples(64, seed=0):
+        if all(example.info[key] == value for key, value in info.items()):
+            return example
+    raise AssertionError(f"no example with {info} among the first 64")
+
+
+def comparable(rollout) -> dict:
+    row = rollout.to_dict()
+    row.pop("seconds")
+    return row
+
+
+async def play_all(env, policy, n, *, seed=0, rollouts_per_example=1):
+    return await run_rollouts(
+        env,
+        policy,
+        env.examples(n, seed=seed),
+        sampling=SAMPLING,
+        rollouts_per_example=rollouts_per_example,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Parameters
+
+
+def test_registry_builds_the_env_with_defaults():
+    env = load_environment("tictactoe")
+    assert isinstance(env, TicTacToeEnv)
+    assert env.config == {
+        "min_random_move_prob": 0.0,
+        "max_random_move_prob": 1.0,
+        "num_groups": 4,
+        "model_mark": "random",
+        "max_turns": 10,
+        "invalid_move_penalty": 0.1,
+        "invalid_penalty_cap": 0.5,
+    }
+    assert env.num_groups == 4
+    assert env.rubric.weights == {"outcome": 1.0, "format": 0.2, "invalid_move": 1.0}
+    schema = {row["name"]: row for row in TicTacToeEnv.schema()}
+    assert schema["model_mark"]["choices"] == ["X", "O", "random"]
+    assert (schema["num_groups"]["min"], schema["num_groups"]["max"]) == (1, 20)
+    assert all(row["help"] for row in schema.values())
+
+
+def test_min_above_max_is_an_error_naming_both():
+    with pytest.raises(ParamError) as error:
+        TicTacToeEnv(min_random_move_prob=0.8, max_random_move_prob=0.3)
+    assert set(error.value.errors) == {"min_random_move_prob"}
+    assert "0.3" in error.value.errors["min_random_move_prob"]
+    assert "0.8" in error.value.errors["min_random_move_prob"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("num_groups", 0, "at least 1"),
+        ("num_groups", 21, "at most 20"),
+        ("max_turns", 31, "at most 30"),
+        ("min_random_move_prob", -0.1, "at least 0.0"),
+        ("max_random_move_prob", 1.5, "at most 1.0"),
+        ("model_mark", "Z", "one of ['X', 'O', 'random']"),
+        ("num_groups", "many", "expected an integer"),
+    ],
+)
+def test_out_of_range_params_are_errors(name, value, message):
+    with pytest.raises(ParamError) as error:
+        TicTacToeEnv(**{name: value})
+    assert message in error.value.errors[name]
+
+
+def test_unknown_param_is_an_error_listing_the_accepted_ones():
+    with pytest.raises(ParamError) as error:
+        TicTacToeEnv(board_size=4)
+    assert "max_random_move_prob" in error.value.errors["board_size"]
+
+
+# ---------------------------------------------------------------------------------------
+# Examples
+
+
+def test_examples_are_fixed_by_seed_and_index():
+    env = TicTacToeEnv()
+    assert [e.to_dict() for e in env.examples(20, seed=3)] == [
+        e.to_dict() for e in env.examples(20, seed=3)
+    ]
+    assert [e.seed for e in env.examples(20, seed=3)] != [e.seed for e in env.examples(20, seed=4)]
+    infos = [e.info for e in env.examples(200, seed=3)]
+    assert Counter(i["model_starts"] for i in infos).keys() == {True, False}
+    assert Counter(i["model_mark"] for i in infos).keys() == {"X", "O"}
+
+
+def test_num_groups_puts_each_example_in_its_opponent_strength_bin():
+    env = TicTacToeEnv(min_random_move_prob=0.2, max_random_move_prob=0.6, num_groups=4)
+    examples = env.examples(400, seed=1)
+    for index, example in enumerate(examples):
+        group = index % 4
+        assert example.group == group
+        low, high = 0.2 + 0.1 * group, 0.2 + 0.1 * (group + 1)
+        assert low - 1e-12 <= example.info["random_move_prob"] <= high + 1e-12
+    # Inside a bin the strength is spread out, not pinned to one value.
+    first_bin = [e.info["random_move_prob"] for e in examples if e.group == 0]
+    assert max(first_bin) - min(first_bin) > 0.08
+
+
+def test_fixed_mark_does_not_change_who_starts_or_the_strength():
+    free, fixed = TicTacToeEnv(), TicTacToeEnv(model_mark="O")
+    for a, b in zip(free.examples(30, seed=2), fixed.examples(30, seed=2), strict=True):
+        assert b.info["model_mark"] == "O"
+        assert a.info["model_starts"] == b.info["model_starts"]
+        assert a.info["random_move_prob"] == b.info["random_move_prob"]
+
+
+def test_prompts_are_short_and_show_the_opponents_opening():
+    env = TicTacToeEnv(model_mark="X")
+    starts = first_example(env, model_starts=True)
+    assert starts.prompt == [
+        {
+            "role": "system",
+            "content": "You play tic-tac-toe as X. Cells are numbered 0-8, left to right, "
+            "top to bottom. Reply with <think>brief reasoning</think> then <move>N</move>.",
+        },
+        {"role": "user", "content": "...\n...\n...\nYour move."},
+    ]
+    second = first_example(env, model_starts=False)
+    cell = second.info["opponent_first_move"]
+    board = ["."] * 9
+    board[cell] = "O"
+    assert (
+        second.prompt[1]["content"] == f"Opponent played {cell}.\n{render_board(board)}\nYour move."
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Games
+
+
+async def test_same_example_seed_gives_the_same_games():
+    env = TicTacToeEnv(min_random_move_prob=0.0, max_random_move_prob=1.0)
+    first = await play_all(env, RandomValidPolicy(seed=7), 24, seed=5, rollouts_per_example=2)
+    second = await play_all(env, RandomValidPolicy(seed=7), 24, seed=5, rollouts_per_example=2)
+    assert [comparable(r) for r in first] == [comparable(r) for r in second]
+    other_seed = await play_all(env, RandomValidPolicy(seed=8), 24, seed=5)
+    assert [r.state["moves"] for r in other_seed] != [r.state["moves"] for r in first[::2]]
+
+
+async def test_opponent_strength_is_fixed_across_an_examples_rollouts():
+    env = TicTacToeEnv(min_random_move_prob=0.1, max_random_move_prob=0.9)
+    examples = env.examples(10, seed=2)
+    rollouts = await run_rollouts(
+        env, RandomValidPolicy(), examples, sampling=SAMPLING, rollouts_per_example=3
+    )
+    for example, index in zip(examples, range(0, 30, 3), strict=True):
+        group = rollouts[index : index + 3]
+        assert {r.example_id for r in group} == {example.id}
+        assert {r.state["random_move_prob"] for r in group} == {example.info["random_move_prob"]}
+
+
+async def test_two_rollouts_reaching_the_same_board_meet_the_same_reply():
+    env = TicTacToeEnv(min_random_move_prob=0.3, max_random_move_prob=0.7)
+    replies: dict[tuple[int, str], int] = {}
+    shared = 0
+    for policy_seed in range(6):
+        for rollout in await play_all(env, RandomValidPolicy(seed=policy_seed), 30, seed=9):
+            board = ["."] * 9
+            for move in rollout.state["moves"]:
+                if move["player"] == "opponent":
+                    key = (rollout.seed, "".join(board))
+                    if key in replies:
+                        shared += 1
+                        assert replies[key] == move["cell"], key
+                    replies[key] = move["cell"]
+                board[move["cell"]] = move["mark"]
+    assert shared > 30
+
+
+async def test_oracle_draws_every_game_against_a_perfect_opponent():
+    env = TicTacToeEnv(min_random_move_prob=0.0, max_random_move_prob=0.0)
+    rollouts = await play_all(env, OraclePolicy(), 100)
+    assert Counter(r.outcome for r in rollouts) == {"draw": 100}
+    assert all(r.rewards == {"outcome": 0.5, "format": 1.0, "invalid_move": 0.0} for r in rollouts)
+    assert all(r.reward == pytest.approx(0.7) for r in rollouts)
+
+
+async def test_oracle_beats_a_random_opponent_and_never_loses():
+    env = TicTacToeEnv(min_random_move_prob=1.0, max_random_move_prob=1.0)
+    rollouts = await play_all(env, OraclePolicy(), 200)
+    outcomes = Counter(r.outcome for r in rollouts)
+    assert outcomes["loss"] == 0
+    assert 0.87 <= outcomes["win"] / 200 <= 0.99
+    assert all(r.error is None and not r.truncated for r in rollouts)
+
+
+async def test_random_player_loses_most_games_against_a_perfect_opponent():
+    env = TicTacToeEnv(min_random_move_prob=0.0, max_random_move_prob=0.0)
+    rollouts = await play_all(env, RandomValidPolicy(), 100)
+    outcomes = Counter(r.outcome for r in rollouts)
+    assert outcomes["win"] == 0
+    assert outcomes["loss"] >= 70
+
+
+async def test_final_state_records_the_whole_game():
+    env = TicTacToeEnv(model_mark="O")
+    rollout = (await play_all(env, RandomValidPolicy(), 1))[0]
+    state = rollout.state
+    assert state["model_mark"] == "O" and len(state["board"]) == 9
+    assert state["random_move_prob"] == rollout.info["random_move_prob"]
+    assert state["model_starts"] == rollout.info["model_starts"]
+    board = ["."] * 9
+    for move in state["moves"]:
+        assert board[move["cell"]] == "."
+        assert move["mark"] == ("O" if move["player"] == "model" else "X")
+        board[move["cell"]] = move["mark"]
+    assert board == state["board"]
+    assert state["moves"][0]["player"] == ("model" if state["model_starts"] else "opponent")
+    players = [move["player"] for move in state["moves"]]
+    assert all(a != b for a, b in zip(players, players[1:], strict=False))
+    assert json.loads(json.dumps(rollout.to_dict()))["state"] == state
+    assert env.breakdowns(rollout) == {
+        "starter": "model" if state["model_starts"] else "opponent",
+        "mark": "O",
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Invalid moves
+
+
+async def test_invalid_replies_are_explained_counted_and_the_game_goes_on():
+    env = TicTacToeEnv(model_mark="X", max_turns=30)
+    example = first_example(env, model_starts=True)
+    policy = ScriptedPolicy(
+        [
+            "<move>9</move>",
+            "I pick the middle",
+            "<think>hmm</think><move>four</move>",
+            "<think>centre</think><move>4</move>",
+            "<think>again</think><move>4</move>",
+        ]
+    )
+    rollout = await env.rollout(policy, example, SAMPLING)
+    env_messages = [m["content"] for m in rollout.completion if m["role"] == "user"]
+    empty = "...\n...\n..."
+    assert env_messages[0] == f"Invalid move: cell 9 is not in 0-8.\n{empty}\nYour move."
+    hint = "Invalid move: reply with <move>N</move>, N in 0-8."
+    assert env_messages[1] == f"{hint}\n{empty}\nYour move."
+    assert env_messages[2] == f"{hint}\n{empty}\nYour move."
+    assert env_messages[3].startswith("Opponent played ")
+    board_after_opponent = env_messages[3].split("\n", 1)[1]
+    assert env_messages[4] == f"Invalid move: cell 4 is taken.\n{board_after_opponent}"
+    assert rollout.state["invalid_moves"] == 4
+    assert rollout.rewards["invalid_move"] == pytest.approx(-0.4)
+    assert rollout.outcome in ("win", "draw")
+    replies = sum(m["role"] == "assistant" for m in rollout.completion)
+    assert rollout.num_turns == replies == rollout.state["model_turns"]
+    # The taken-cell reply is well formatted; only the first three are not.
+    assert rollout.rewards["format"] == pytest.approx((replies - 3) / replies)
+    metrics = env.rollout_metrics(rollout)
+    assert metrics["invalid_moves"] == 4
+    assert metrics["invalid_move_rate"] == pytest.approx(4 / replies)
+    assert metrics["format_rate"] == pytest.approx(rollout.rewards["format"])
+
+
+async def test_turns_run_out_leaving_the_game_unfinished_and_the_penalty_capped():
+    env = TicTacToeEnv(max_turns=10)
+    rollouts = await play_all(env, ConstantPolicy("<think>mine</think><move>4</move>"), 8)
+    for rollout in rollouts:
+        assert rollout.outcome == "unfinished"
+        assert rollout.truncated and rollout.state["hit_max_turns"]
+        assert rollout.num_turns == 10
+        assert rollout.state["invalid_moves"] >= 9
+        assert rollout.rewards == {"outcome": 0.0, "format": 1.0, "invalid_move": -0.5}
+        assert rollout.reward == pytest.approx(0.2 - 0.5)
+
+
+async def test_penalty_and_cap_follow_the_params():
+    env = TicTacToeEnv(max_turns=4, invalid_move_penalty=0.2, invalid_penalty_cap=1.0)
+    rollout = (await play_all(env, ConstantPolicy("no move at all"), 1))[0]
+    assert rollout.state["invalid_moves"] == 4
+    assert rollout.rewards["invalid_move"] == pytest.approx(-0.8)
+    assert rollout.rewards["format"] == 0.0
+
+
+async def test_one_turn_is_not_enough_to_finish():
+    env = TicTacToeEnv(max_turns=1)
+    rollout = (await play_all(env, OraclePolicy(), 1))[0]
+    assert rollout.outcome == "unfinished" and rollout.rewards["outcome"] == 0.0
+
+
+async def test_a_builtin_player_without_state_fails_clearly():
+    with pytest.raises(PolicyError, match="needs the env state"):
+        await OraclePolicy().generate([], SAMPLING)
+
+
+def test_builtin_players_are_loadable_by_name():
+    env = TicTacToeEnv()
+    assert set(env.builtin_policies()) == {"oracle", "random", "constant"}
+    assert isinstance(load_policy("oracle", env=env), OraclePolicy)
+    assert isinstance(load_policy("random", env=env), RandomValidPolicy)
+
+
+# ---------------------------------------------------------------------------------------
+# Replies and rewards
+
+
+@pytest.mark.parametrize(
+    ("text", "formatted"),
+    [
+        ("<think>corner</think><move>0</move>", True),
+        ("  <think>two\nlines</think>\n <move> 4 </move>\n", True),
+        ("<think></think><move>8</move>", True),
+        ("<move>4</move>", False),
+        ("<think>x</think><move>4</move> good luck", False),
+        ("<think>x</think>", False),
+        ("<move>4</move><think>x</think>", False),
+        ("<think>x</think><move>four</move>", False),
+        ("", False),
+    ],
+)
+def test_format_is_think_then_move_and_nothing_else(text, formatted):
+    assert is_well_formatted(text) is formatted
+    completion = [{"role": "assistant", "content": text}]
+    assert format_reward(completion=completion) == (1.0 if formatted else 0.0)
+
+
+def test_format_reward_is_the_share_of_good_replies():
+    good, bad = "<think>a</think><move>1</move>", "<move>1</move>"
+    completion = [
+        {"role": "assistant", "content": good},
+        {"role": "user", "content": "Opponent played 3."},
+        {"role": "assistant", "content": bad},
+        {"role": "assistant", "content": good},
+        {"role": "assistant", "content": good},
+    ]
+    assert format_reward(completion=completion) == 0.75
+    assert format_reward(completion=[]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "cell", "error"),
+    [
+        ("<think>t</think><move>2</move>", 2, None),
+        ("<move>2</move>", 2, None),
+        ("<think>maybe <move>0</move></think><move>2</move>", 2, None),
+        ("<think>maybe <move>2</move></think>", None, "reply with <move>N</move>, N in 0-8"),
+        ("<move>0</move>", None, "cell 0 is taken"),
+        ("<move>-1</move>", None, "cell -1 is not in 0-8"),
+        ("<move>2.5</move>", None, "reply with <move>N</move>, N in 0-8"),
+        ("2", None, "reply with <move>N</move>, N in 0-8"),
+        (None, None, "reply with <move>N</move>, N in 0-8"),
+    ],
+)
+def test_parse_move(text, cell, error):
+    assert parse_move(text, "X........") == (cell, error)
+
+
+@given(st.text(), st.integers(min_value=0, max_value=8))
+def test_any_text_parses_without_raising(junk, cell):
+    parsed, error = parse_move(junk, "." * 9)
+    assert (parsed is None) != (error is None)
+    thought = junk.replace("<", "").replace(">", "")
+    reply = f"<think>{thought}</think><move>{cell}</move>"
+    assert parse_move(reply, "." * 9) == (cell, None)
+    assert is_well_formatted(reply)
+
+
+def test_outcome_labels():
+    def state(board, mark="X"):
+        return {"board": list(board), "model_mark": mark}
+
+    assert outcome_label(state("XXXOO....")) == "win"
+    assert outcome_label(state("XXXOO....", "O")) == "loss"
+    assert outcome_label(state("XOXXOOOXX")) == "draw"
+    assert outcome_label(state("XO.......")) == "unfinished"
+    assert outcome_label({}) == "unfinished"
+    env = TicTacToeEnv()
+    assert env.outcome(state("XXXOO...."), {}) == "win"
+
+
+# ---------------------------------------------------------------------------------------
+# PlaySession
+
+
+async def test_a_full_game_against_the_oracle_never_loses_and_survives_json():
+    for game in range(12):
+        rng = random.Random(game)
+        session = PlaySession.new(rng.choice("XO"), model_starts=game % 2 == 0, seed=game)
+        oracle = OraclePolicy()
+        while not session.finished:
+            session = PlaySession.from_dict(json.loads(json.dumps(session.to_dict())))
+            if session.to_move == "human":
+                empties = [i for i, mark in enumerate(session.board) if mark == "."]
+                session.human_move(rng.choice(empties))
+            else:
+                turn = await session.model_turn(oracle, SAMPLING)
+                assert turn["valid"] and turn["attempts"] == 1 and turn["error"] is None
+                assert turn["think"].startswith("Empty: ")
+                assert session.board[turn["move"]] == session.model_mark
+        assert session.outcome in ("win", "draw")
+        assert session.winner in (session.model_mark, None)
+        assert session.to_move is None
+        assert session.messages[-1]["content"].endswith(("You win.", "Draw."))
+        assert len(session.moves) == 9 - session.board.count(".")
+
+
+async def test_play_session_builds_the_same_conversation_as_the_env():
+    env = TicTacToeEnv(min_random_move_prob=0.5, max_random_move_prob=0.5)
+    for example in env.examples(6, seed=4):
+        rollout = await env.rollout(OraclePolicy(), example, SAMPLING)
+        info = example.info
+        session = PlaySession.new(info["model_mark"], info["model_starts"], seed=example.seed)
+        for move in rollout.state["moves"]:
+            if move["player"] == "opponent":
+                session.human_move(move["cell"])
+            else:
+                assert (await session.model_turn(OraclePolicy(), SAMPLING))["move"] == move["cell"]
+        assert session.messages == rollout.messages
+        assert session.outcome == rollout.outcome
+
+
+async def test_play_session_retries_invalid_replies_then_forfeits():
+    session = PlaySession.new("X", model_starts=False, seed=1)
+    session.human_move(4)
+    turn = await session.model_turn(ConstantPolicy("<think>mine</think><move>4</move>"), SAMPLING)
+    assert turn == {
+        "text": "<think>mine</think><move>4</move>",
+        "think": "mine",
+        "move": None,
+        "valid": False,
+        "error": "cell 4 is taken",
+        "attempts": 3,
+    }
+    assert session.invalid_moves == 3
+    assert session.finished and session.outcome == "unfinished" and session.winner == "O"
+    errors = [m for m in session.messages if m["content"].startswith("Invalid move: cell 4")]
+    assert len(errors) == 3
+    with pytest.raises(ValueError, match="game is over"):
+        session.human_move(0)
+    restored = PlaySession.from_dict(session.to_dict())
+    assert restored.finished and restored.winner == "O"
+
+
+async def test_play_session_accepts_a_corrected_reply():
+    session = PlaySession.new("O", model_starts=False, seed=2)
+    session.human_move("4")
+    policy = ScriptedPolicy(["<move>4</move>", "<think>corner</think><move>0</move>"])
+    turn = await session.model_turn(policy, SAMPLING)
+    assert (turn["valid"], turn["move"], turn["attempts"]) == (True, 0, 2)
+    assert session.invalid_moves == 1 and session.board[0] == "O"
+    assert session.to_move == "human"
+
+
+async def test_play_session_rejects_moves_out_of_turn_or_off_the_board():
+    session = PlaySession.new("X", model_starts=True, seed=3)
+    with pytest.raises(ValueError, match="model's turn"):
+        session.human_move(0)
+    await session.model_turn(ConstantPolicy("<think>c</think><move>4</move>"), SAMPLING)
+    with pytest.raises(ValueError, match="human's turn"):
+        await session.model_turn(OraclePolicy(), SAMPLING)
+    with pytest.raises(ValueError, match="cell 4 is taken"):
+        session.human_move(4)
+    for bad in (9, -1, "middle", 2.0, True):
+        with pytest.raises(ValueError, match="integer from 0 to 8"):
+            session.human_move(bad)
+    with pytest.raises(ValueError, match="'X' or 'O', got 'Z'"):
+        PlaySession.new("Z", True)
+    with pytest.raises(ValueError, match="needs"):
+        PlaySession.from_dict({"model_mark": "X"})
