@@ -25,12 +25,20 @@ async def run_rollouts(
     rollouts_per_example: int = 1,
     concurrency: int = 32,
     on_result: Callable[[Rollout], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[Rollout]:
-    """`rollouts_per_example` rollouts of every example, in example order (groups adjacent)."""
+    """`rollouts_per_example` rollouts of every example, in example order (groups adjacent).
+
+    `should_stop` is asked before each rollout starts; once it says True, rollouts that have
+    not started are skipped (left out of the result) while those in flight finish, so a
+    cancelled run still returns every rollout it paid for.
+    """
     semaphore = asyncio.Semaphore(max(1, concurrency))
 
-    async def one(example: Example) -> Rollout:
+    async def one(example: Example) -> Rollout | None:
         async with semaphore:
+            if should_stop is not None and should_stop():
+                return None
             try:
                 result = await env.rollout(policy, example, sampling)
             except Exception as exc:  # keep the failure with the rollout, name where it came from
@@ -48,4 +56,4 @@ async def run_rollouts(
         return result
 
     tasks = [one(ex) for ex in examples for _ in range(rollouts_per_example)]
-    return list(await asyncio.gather(*tasks))
+    return [result for result in await asyncio.gather(*tasks) if result is not None]

@@ -73,7 +73,8 @@ class Param:
                 return bool(value)
             raise ValueError(f"expected true or false, got {value!r}")
         if self.type is int:
-            if isinstance(value, bool):
+            # int(4.5) would quietly truncate; a fractional value is an error, not 4.
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(f"expected an integer, got {value!r}")
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
@@ -88,8 +89,8 @@ class Param:
                 value = float(value)
             except (TypeError, ValueError):
                 raise ValueError(f"expected a number, got {value!r}") from None
-            if value != value:
-                raise ValueError("expected a number, got NaN")
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"expected a finite number, got {value!r}")
         elif self.type is str:
             if not isinstance(value, str):
                 raise ValueError(f"expected text, got {value!r}")
@@ -141,6 +142,9 @@ class Environment(ABC):
     name: ClassVar[str] = "env"
     description: ClassVar[str] = ""
     params: ClassVar[list[Param]] = []
+    # Outcome labels a summary always reports, at zero when none occurred, so "0 losses"
+    # is shown rather than left out (labels seen but not listed are reported too).
+    outcome_labels: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **params: Any):
         self.config = validate_params(self.params, params)
@@ -173,6 +177,16 @@ class Environment(ABC):
     def outcome(self, state: dict, rewards: dict[str, float]) -> str | None:
         """A categorical label for summaries (e.g. win/draw/loss); None if the env has none."""
         return None
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """Env-specific numbers per rollout, averaged in summaries and training metrics
+        under `<env name>/<key>` (e.g. `tictactoe/invalid_move_rate`)."""
+        return {}
+
+    def breakdowns(self, rollout: Rollout) -> dict[str, str]:
+        """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are
+        reported per value of each label."""
+        return {}
 
     def builtin_policies(self) -> dict[str, Callable[[], Policy]]:
         """Players the env provides itself, by name (e.g. oracle, random)."""

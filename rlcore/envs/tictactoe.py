@@ -309,6 +309,7 @@ class TicTacToeEnv(MultiTurnEnv):
     """Tic-tac-toe against a seeded minimax opponent that plays randomly with probability p."""
 
     name = "tictactoe"
+    outcome_labels = ("win", "draw", "loss", "unfinished")
     description = (
         "Tic-tac-toe against minimax with random blunders; rewards for winning, the "
         "<think>/<move> format, and a capped penalty for invalid moves."
