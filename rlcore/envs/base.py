@@ -91,9 +91,8 @@ class Param:
                 raise ValueError(f"expected a number, got {value!r}") from None
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError(f"expected a finite number, got {value!r}")
-        elif self.type is str:
-            if not isinstance(value, str):
-                raise ValueError(f"expected text, got {value!r}")
+        elif self.type is str and not isinstance(value, str):
+            raise ValueError(f"expected text, got {value!r}")
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"expected one of {list(self.choices)}, got {value!r}")
         if self.min is not None and value < self.min:
@@ -359,9 +358,7 @@ def parse_text_tool_calls(text: str | None) -> list[dict]:
                 "type": "function",
                 "function": {
                     "name": name,
-                    "arguments": arguments
-                    if isinstance(arguments, str)
-                    else json.dumps(arguments),
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
                 },
             }
         )

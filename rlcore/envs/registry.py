@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from rlcore.envs.base import Environment, EnvInfo
+from rlcore.envs.base import EnvInfo, Environment
 
 ENVIRONMENTS: dict[str, str] = {
     "tictactoe": "rlcore.envs.tictactoe:TicTacToeEnv",
