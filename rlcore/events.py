@@ -99,8 +99,7 @@ class ConsoleSink(NullSink):
 
     def progress(self, done: int, total: int, desc: str = "") -> None:
         bar = self._ensure_bar(total, desc)
-        bar.n = done
-        bar.refresh()
+        bar.update(done - bar.n)  # update() honours tqdm's refresh interval; refresh() does not
         if done >= total:
             bar.close()
             self._bar = None

@@ -1,0 +1,268 @@
+"""Benchmark: turn the untrained built-in tiny model into a tic-tac-toe player, end to end.
+
+Stages, each timed, all on the machine's own device (a 2-core CPU is the reference):
+1. base: the built-in tiny model, untrained (random weights);
+2. synth + SFT: teacher games of the env's random-valid player (no stronger than random;
+   the oracle is never a teacher), losses and unfinished games filtered out, at most
+   `--sft-games` kept; SFT of the tiny model on them;
+3. RL: GRPO against the minimax opponent with its random-move probability spread over
+   [--rl-min-p, --rl-max-p] (stratified), for as long as the wall-time budget allows;
+4. evaluation of base, SFT and RL: `--eval-games` games each against a random opponent
+   (random_move_prob = 1) and against the optimal one (random_move_prob = 0), greedy.
+
+Prints the base / SFT / RL table and each stage's wall time; writes
+`bench/results/tictactoe_mastery.json`; keeps every stage's checkpoint directory so anyone
+can re-run `python -m rlcore eval tictactoe --model <dir> ...` on it.
+
+    python bench/tictactoe_mastery.py                # the full run (30 min budget)
+    python bench/tictactoe_mastery.py --quick        # a few minutes, to check the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from rlcore.evaluate import EvalConfig, run_eval  # noqa: E402
+from rlcore.events import ConsoleSink  # noqa: E402
+from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
+from rlcore.train.config import RLConfig, SFTConfig, SynthConfig  # noqa: E402
+from rlcore.train.grpo import run_rl  # noqa: E402
+from rlcore.train.sft import run_sft  # noqa: E402
+from rlcore.train.synth import run_synth  # noqa: E402
+
+OPPONENTS = {"random": 1.0, "optimal": 0.0}
+
+
+class DeadlineSink(ConsoleSink):
+    """Console output plus a stop request once the stage's wall-time deadline passes."""
+
+    def __init__(self, deadline: float, metric_keys: list[str]):
+        super().__init__(metric_keys=metric_keys)
+        self.deadline = deadline
+
+    def should_stop(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+
+def evaluate(model: str, games: int, args, label: str) -> dict:
+    """Win/draw/loss, invalid and format rates of `model` against each opponent."""
+    rows = {}
+    for opponent, random_move_prob in OPPONENTS.items():
+        cfg = EvalConfig(
+            env="tictactoe",
+            model=model,
+            env_args={
+                "min_random_move_prob": random_move_prob,
+                "max_random_move_prob": random_move_prob,
+                "max_turns": args.max_turns,
+            },
+            num_examples=games,
+            max_tokens=args.max_tokens,
+            temperature=0.0,
+            concurrency=args.eval_concurrency,
+            seed=10_000,  # held-out examples: training streams start at seed 0
+            out_dir=str(Path(args.out) / "eval" / f"{label}-vs-{opponent}"),
+            device=args.device,
+        )
+        started = time.monotonic()
+        result = run_eval(cfg, ConsoleSink())
+        summary = result.summary
+        outcomes = summary["outcomes"]
+        rows[opponent] = {
+            "games": summary["num_rollouts"],
+            "win": outcomes["win"]["rate"],
+            "draw": outcomes["draw"]["rate"],
+            "loss": outcomes["loss"]["rate"],
+            "unfinished": outcomes["unfinished"]["rate"],
+            "invalid_move_rate": summary["env_metrics"]["tictactoe/invalid_move_rate"],
+            "format": summary["functions"]["format"]["mean"],
+            "seconds": round(time.monotonic() - started, 1),
+        }
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--budget-minutes", type=float, default=30.0, help="wall time for synth + SFT + RL together"
+    )
+    parser.add_argument("--sft-games", type=int, default=200)
+    parser.add_argument("--sft-epochs", type=int, default=12)
+    parser.add_argument("--rl-min-p", type=float, default=0.0)
+    parser.add_argument("--rl-max-p", type=float, default=1.0)
+    parser.add_argument("--rl-batch", type=int, default=64)
+    parser.add_argument("--rl-group", type=int, default=8)
+    parser.add_argument("--rl-lr", type=float, default=2e-4)
+    parser.add_argument("--rl-temperature", type=float, default=1.0)
+    parser.add_argument("--rl-loss", default="grpo", choices=["grpo", "cispo", "dr_grpo"])
+    parser.add_argument("--rl-max-steps", type=int, default=10_000)
+    parser.add_argument("--eval-games", type=int, default=1000)
+    parser.add_argument("--eval-concurrency", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-turns", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--skip-base", action="store_true", help="do not evaluate the base model")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny budget and 50-game evals: checks the plumbing only",
+    )
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "tictactoe_mastery"))
+    parser.add_argument(
+        "--results", default=str(ROOT / "bench" / "results" / "tictactoe_mastery.json")
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.budget_minutes, args.eval_games, args.sft_epochs = 2.0, 50, 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget_s = args.budget_minutes * 60
+    pipeline_started = time.monotonic()
+    times: dict[str, float] = {}
+    checkpoints: dict[str, str] = {}
+
+    base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)
+    checkpoints["base"] = base
+    env_args = {"max_turns": args.max_turns, "num_groups": 4}
+
+    # 2. Teacher data from the random-valid player; losses and unfinished games dropped.
+    started = time.monotonic()
+    synth = run_synth(
+        SynthConfig(
+            env="tictactoe",
+            env_args={**env_args, "min_random_move_prob": 0.5, "max_random_move_prob": 1.0},
+            model="random",
+            num_examples=20 * args.sft_games,
+            max_kept=args.sft_games,
+            exclude_outcomes=["loss", "unfinished"],
+            require_format=True,
+            max_invalid_moves=0,
+            output_dir=str(out / "synth"),
+        ),
+        ConsoleSink(),
+    )
+    times["synth"] = time.monotonic() - started
+
+    started = time.monotonic()
+    sft_dir = run_sft(
+        SFTConfig(
+            model=base,
+            dataset=synth["path"],
+            output_dir=str(out / "sft"),
+            epochs=args.sft_epochs,
+            batch_size=16,
+            micro_batch_size=16,
+            lr=2e-3,
+            warmup_steps=10,
+            device=args.device,
+        ),
+        ConsoleSink(metric_keys=["loss/sft", "optim/lr"]),
+    )
+    times["sft"] = time.monotonic() - started
+    checkpoints["sft"] = sft_dir
+
+    # 3. RL for whatever is left of the budget.
+    started = time.monotonic()
+    deadline = pipeline_started + budget_s
+    rl_dir = run_rl(
+        RLConfig(
+            model=sft_dir,
+            env="tictactoe",
+            env_args={
+                **env_args,
+                "min_random_move_prob": args.rl_min_p,
+                "max_random_move_prob": args.rl_max_p,
+            },
+            output_dir=str(out / "rl"),
+            max_steps=args.rl_max_steps,
+            batch_size=args.rl_batch,
+            rollouts_per_example=args.rl_group,
+            loss_type=args.rl_loss,
+            lr=args.rl_lr,
+            temperature=args.rl_temperature,
+            max_tokens=args.max_tokens,
+            micro_batch_size=32,
+            save_every=0,
+            device=args.device,
+        ),
+        DeadlineSink(
+            deadline,
+            ["reward/mean", "outcome/win", "outcome/loss", "tictactoe/invalid_move_rate"],
+        ),
+    )
+    times["rl"] = time.monotonic() - started
+    times["pipeline"] = time.monotonic() - pipeline_started
+    checkpoints["rl"] = rl_dir
+
+    # 4. Evaluation (not part of the training budget).
+    stages = {"sft": sft_dir, "rl": rl_dir}
+    if not args.skip_base:
+        stages = {"base": base, **stages}
+    results = {}
+    for stage, model in stages.items():
+        started = time.monotonic()
+        results[stage] = evaluate(model, args.eval_games, args, stage)
+        times[f"eval_{stage}"] = time.monotonic() - started
+
+    report = {
+        "benchmark": "tictactoe_mastery",
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "device": args.device,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+        "args": vars(args),
+        "synth": {k: v for k, v in synth.items() if k != "path"} | {"path": synth["path"]},
+        "stages": results,
+        "wall_seconds": {k: round(v, 1) for k, v in times.items()},
+        "checkpoints": checkpoints,
+        "targets": {
+            "vs_random_win": ">= 0.93",
+            "vs_random_loss": "== 0",
+            "vs_optimal_draw": ">= 0.99",
+            "invalid_move_rate": "== 0",
+            "format": "== 1",
+        },
+    }
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(format_table(results, times))
+    print(f"\nresults: {args.results}\nRL checkpoint: {rl_dir}")
+    return 0
+
+
+def format_table(results: dict, times: dict) -> str:
+    header = (
+        f"{'stage':<6} {'opponent':<8} {'games':>5} {'win':>7} {'draw':>7} {'loss':>7} "
+        f"{'unfin':>6} {'invalid':>8} {'format':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for stage, rows in results.items():
+        for opponent, row in rows.items():
+            lines.append(
+                f"{stage:<6} {opponent:<8} {row['games']:>5} {row['win']:>7.1%} "
+                f"{row['draw']:>7.1%} {row['loss']:>7.1%} {row['unfinished']:>6.1%} "
+                f"{row['invalid_move_rate']:>8.2%} {row['format']:>7.1%}"
+            )
+    lines.append("")
+    lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
