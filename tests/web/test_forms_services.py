@@ -1,0 +1,199 @@
+"""Forms built from schemas, and the services' checks: env params, model paths, API key
+names, job configs and queues."""
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.db import connection
+
+from webapp.jobs import services
+from webapp.jobs.forms import EnvConfigForm, JobForm
+from webapp.jobs.models import EnvironmentConfig, Job, ModelEntry
+
+pytestmark = pytest.mark.django_db
+
+
+def test_env_form_is_built_from_the_schema():
+    form = EnvConfigForm(env_name="tictactoe")
+    html = form.as_p()
+    max_turns = form.fields["param_max_turns"]
+    assert (max_turns.min_value, max_turns.max_value, max_turns.initial) == (1, 30, 10)
+    assert 'type="number"' in html and 'min="1"' in html and 'max="30"' in html
+    assert '<select name="param_model_mark"' in html and '<option value="random"' in html
+    assert "Most model replies per game" in html  # the param's help text
+
+
+def test_env_form_reports_range_errors_under_the_field():
+    data = {"name": "bad", "param_max_turns": "99", "param_min_random_move_prob": "0",
+            "param_max_random_move_prob": "1", "param_num_groups": "4", "param_model_mark": "X",
+            "param_invalid_move_penalty": "0.1", "param_invalid_penalty_cap": "0.5"}  # fmt: skip
+    form = EnvConfigForm(data, env_name="tictactoe")
+    assert not form.is_valid()
+    assert "param_max_turns" in form.errors
+
+
+def test_env_form_puts_the_envs_cross_field_error_on_the_field():
+    data = {"name": "inverted", "param_max_turns": "10", "param_min_random_move_prob": "0.9",
+            "param_max_random_move_prob": "0.1", "param_num_groups": "4", "param_model_mark": "X",
+            "param_invalid_move_penalty": "0.1", "param_invalid_penalty_cap": "0.5"}  # fmt: skip
+    form = EnvConfigForm(data, env_name="tictactoe")
+    assert not form.is_valid()
+    assert "must be at most max_random_move_prob" in form.errors["param_min_random_move_prob"][0]
+
+
+def test_env_config_save_fills_defaults_and_rejects_unknown_params(alice):
+    config = services.env_config_save(
+        owner=alice, name="c", env_name="tictactoe", params={"max_turns": 5}
+    )
+    assert config.params["max_turns"] == 5 and config.params["num_groups"] == 4
+    with pytest.raises(services.ParamError) as caught:
+        services.env_config_save(owner=alice, name="d", env_name="tictactoe", params={"nope": 1})
+    assert "nope" in caught.value.errors
+    assert not EnvironmentConfig.objects.filter(name="d").exists()
+
+
+def test_a_model_path_outside_model_roots_is_rejected(alice, tmp_path):
+    with pytest.raises(ValidationError) as caught:
+        services.model_create(owner=alice, name="etc", kind="checkpoint", location="/etc")
+    assert "outside the directories" in caught.value.message_dict["location"][0]
+    assert not ModelEntry.objects.filter(name="etc").exists()
+
+
+def test_a_symlink_out_of_model_roots_is_rejected(alice, settings, real_services):
+    link = real_services / "escape"
+    link.symlink_to("/etc")
+    with pytest.raises(ValidationError) as caught:
+        services.model_create(owner=alice, name="escape", kind="checkpoint", location=str(link))
+    assert "location" in caught.value.message_dict
+
+
+def test_a_checkpoint_dir_under_model_roots_is_accepted(alice, real_services):
+    directory = real_services / "job-1" / "final"
+    directory.mkdir(parents=True)
+    entry = services.model_create(
+        owner=alice, name="ok", kind="checkpoint", location=str(directory)
+    )
+    assert entry.location == str(directory.resolve())
+
+
+def test_hub_ids_and_endpoint_fields_are_checked(alice):
+    with pytest.raises(ValidationError) as caught:
+        services.model_create(owner=alice, name="hub", kind="hf", location="not a hub id!")
+    assert "hub id" in caught.value.message_dict["location"][0]
+    with pytest.raises(ValidationError) as caught:
+        services.model_create(
+            owner=alice, name="api", kind="openai", location="m", base_url="ftp://x"
+        )
+    assert "base_url" in caught.value.message_dict
+    hub = services.model_create(owner=alice, name="qwen", kind="hf", location="Qwen/Qwen2.5-0.5B")
+    assert hub.policy_args() == {"model": "Qwen/Qwen2.5-0.5B"}
+
+
+def test_a_pasted_api_key_is_refused_and_never_stored_or_shown(alice_client):
+    secret = "sk-live-0123456789abcdef"
+    response = alice_client.post(
+        "/models/",
+        {"name": "gpt", "kind": "openai", "location": "gpt-4o-mini",
+         "base_url": "https://api.example.com/v1", "api_key_env": secret},
+    )  # fmt: skip
+    assert response.status_code == 200
+    assert secret not in response.content.decode()
+    assert "NAME of the environment variable" in response.content.decode()
+    assert not ModelEntry.objects.filter(name="gpt").exists()
+
+
+def test_only_the_api_key_variable_name_is_stored(alice_client, monkeypatch):
+    monkeypatch.setenv("MY_ENDPOINT_KEY", "sk-secret-value-42")
+    response = alice_client.post(
+        "/models/",
+        {"name": "gpt", "kind": "openai", "location": "gpt-4o-mini",
+         "base_url": "https://api.example.com/v1", "api_key_env": "MY_ENDPOINT_KEY"},
+    )  # fmt: skip
+    assert response.status_code == 302
+    entry = ModelEntry.objects.get(name="gpt")
+    assert entry.api_key_env == "MY_ENDPOINT_KEY"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM jobs_modelentry WHERE row_to_json(jobs_modelentry)::text LIKE %s",
+            ["%sk-secret%"],
+        )
+        assert cursor.fetchone()[0] == 0
+    assert entry.policy_args() == {
+        "model": "gpt-4o-mini",
+        "base_url": "https://api.example.com/v1",
+        "api_key_env": "MY_ENDPOINT_KEY",
+    }
+
+
+def test_job_form_defaults_come_from_the_kind(alice):
+    form = JobForm(kind="rl", user=alice)
+    assert form.fields["loss_type"].initial in ("grpo", "cispo", "dr_grpo")
+    assert "beta" in form.fields and "save_every" in form.fields
+    assert "num_examples" not in form.fields
+
+
+def test_job_form_reports_missing_and_out_of_range_fields(alice, ttt_config, tiny):
+    form = JobForm(
+        {"env_config": ttt_config.pk, "device": "cpu", "seed": "0", "num_examples": "0",
+         "rollouts_per_example": "1", "max_tokens": "24", "temperature": "0.5", "concurrency": "4"},
+        kind="eval", user=alice,
+    )  # fmt: skip
+    assert not form.is_valid()
+    assert "model" in form.errors and "num_examples" in form.errors
+
+
+def test_job_form_only_offers_the_users_own_configs_and_models(alice, bob, ttt_config, tiny):
+    form = JobForm(kind="eval", user=bob)
+    assert list(form.fields["env_config"].queryset) == []
+    assert list(form.fields["model"].queryset) == []
+
+
+def test_job_create_stores_the_resolved_config_and_picks_the_queue(
+    alice, ttt_config, tiny, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        job = services.job_create(
+            owner=alice, kind="rl", env_config=ttt_config, model=tiny,
+            options={"batch_size": 4, "rollouts_per_example": 2, "max_steps": 2, "device": "cuda"},
+        )  # fmt: skip
+    assert len(callbacks) == 1  # enqueued only once the transaction commits
+    assert job.queue == "gpu" and job.status == Job.Status.QUEUED
+    assert job.config["env"] == "tictactoe" and job.config["env_args"]["max_turns"] == 6
+    assert job.config["batch_size"] == 4 and job.config["model"] == "tiny"
+    assert job.config["output_dir"].endswith(f"job-{job.pk}")
+    assert "lr" in job.config and "clip_eps_high" in job.config  # every field, resolved
+
+
+def test_rlcores_own_validation_becomes_a_form_error(alice, ttt_config, tiny):
+    with pytest.raises(ValidationError) as caught:
+        services.job_create(
+            owner=alice, kind="rl", env_config=ttt_config, model=tiny,
+            options={"batch_size": 5, "rollouts_per_example": 2},
+        )  # fmt: skip
+    assert "must be a multiple of rollouts_per_example" in caught.value.messages[0]
+    assert not Job.objects.exists()
+
+
+def test_training_a_builtin_player_is_refused(alice, ttt_config, oracle):
+    with pytest.raises(ValidationError) as caught:
+        services.job_create(owner=alice, kind="rl", env_config=ttt_config, model=oracle)
+    assert "trains local weights" in caught.value.message_dict["model"][0]
+
+
+def test_an_unknown_builtin_player_names_what_the_env_offers(alice, ttt_config):
+    ghost = services.model_create(owner=alice, name="ghost", kind="builtin", location="ghost")
+    with pytest.raises(ValidationError) as caught:
+        services.job_create(owner=alice, kind="eval", env_config=ttt_config, model=ghost)
+    assert "oracle" in caught.value.message_dict["model"][0]
+
+
+def test_bad_overrides_name_the_line(alice, ttt_config, oracle):
+    with pytest.raises(ValidationError) as caught:
+        services.job_create(
+            owner=alice, kind="eval", env_config=ttt_config, model=oracle, overrides="just words"
+        )
+    assert "line 1" in caught.value.message_dict["overrides"][0]
+    with pytest.raises(ValidationError) as caught:
+        services.job_create(
+            owner=alice, kind="eval", env_config=ttt_config, model=oracle, overrides="colour=blue"
+        )
+    assert "colour" in caught.value.messages[0]

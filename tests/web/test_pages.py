@@ -1,0 +1,215 @@
+"""The pages: environments with schema-built forms and previews, models, the job form,
+the job page, the inspector, rollout detail and compare, runs compare, static files."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from django.contrib.staticfiles import finders
+
+from webapp.jobs.models import EnvironmentConfig, Job, ModelEntry, Rollout
+
+pytestmark = pytest.mark.django_db
+
+
+def page(client, url, status=200) -> str:
+    response = client.get(url)
+    assert response.status_code == status, (url, response.status_code)
+    return response.content.decode()
+
+
+def test_the_nav_links_every_section(alice_client):
+    html = page(alice_client, "/envs/")
+    for label in ("Environments", "Models", "New job", "Jobs", "Compare", "Play"):
+        assert f">{label}<" in html, label
+
+
+def test_environments_list_registered_envs_with_their_params(alice_client):
+    html = page(alice_client, "/envs/")
+    assert 'id="env-tictactoe"' in html and "min_random_move_prob" in html
+    assert "Opponent-strength bins" in html
+
+
+def test_creating_an_env_config_from_the_form(alice_client, alice):
+    html = page(alice_client, "/envs/tictactoe/new/")
+    assert 'name="param_max_turns"' in html and "Your move." in html  # form and board preview
+    data = {"name": "weak opponent", "param_max_turns": "8", "param_min_random_move_prob": "0.5",
+            "param_max_random_move_prob": "1", "param_num_groups": "2", "param_model_mark": "O",
+            "param_invalid_move_penalty": "0.1", "param_invalid_penalty_cap": "0.5"}  # fmt: skip
+    response = alice_client.post("/envs/tictactoe/new/", data)
+    config = EnvironmentConfig.objects.get(owner=alice, name="weak opponent")
+    assert response.status_code == 302 and response["Location"] == f"/envs/configs/{config.pk}/"
+    assert config.params["model_mark"] == "O" and config.params["num_groups"] == 2
+    # The edit page previews the config's own examples: the model plays O.
+    assert "You play tic-tac-toe as O" in page(alice_client, response["Location"])
+
+
+def test_bad_env_params_come_back_as_field_errors(alice_client):
+    data = {"name": "x", "param_max_turns": "8", "param_min_random_move_prob": "0.9",
+            "param_max_random_move_prob": "0.2", "param_num_groups": "2", "param_model_mark": "O",
+            "param_invalid_move_penalty": "0.1", "param_invalid_penalty_cap": "0.5"}  # fmt: skip
+    html = alice_client.post("/envs/tictactoe/new/", data).content.decode()
+    assert 'data-testid="error-param_min_random_move_prob"' in html
+    assert not EnvironmentConfig.objects.exists()
+
+
+def test_an_unknown_environment_is_a_404(alice_client):
+    page(alice_client, "/envs/chess/new/", status=404)
+
+
+def test_registering_the_tiny_model(alice_client, alice):
+    response = alice_client.post("/models/", {"name": "tiny", "kind": "tiny", "temperature": "0.7"})
+    assert response.status_code == 302
+    entry = ModelEntry.objects.get(owner=alice)
+    assert (entry.location, entry.generation) == ("tiny", {"temperature": 0.7})
+    assert f'data-model-id="{entry.pk}"' in page(alice_client, "/models/")
+
+
+def test_the_model_form_shows_the_model_roots_error(alice_client):
+    html = alice_client.post(
+        "/models/", {"name": "x", "kind": "checkpoint", "location": "/etc"}
+    ).content.decode()
+    assert 'data-testid="error-location"' in html and "MODEL_ROOTS" in html
+
+
+def test_the_job_form_has_a_tab_per_kind_with_recipe_defaults(alice_client, ttt_config, tiny):
+    html = page(alice_client, "/jobs/new/?kind=rl")
+    assert re.search(r'data-kind="rl"\s+class="active"', html)
+    for field in (
+        "max_steps",
+        "batch_size",
+        "rollouts_per_example",
+        "loss_type",
+        "lr",
+        "beta",
+        "save_every",
+    ):
+        assert f'name="{field}"' in html, field
+    assert 'name="num_examples"' not in page(alice_client, "/jobs/new/?kind=rl")
+    assert 'name="dataset"' in page(alice_client, "/jobs/new/?kind=sft")
+
+
+def test_submitting_the_job_form_queues_a_job(
+    alice_client, ttt_config, oracle, django_capture_on_commit_callbacks
+):
+    data = {"kind": "eval", "env_config": ttt_config.pk, "model": oracle.pk, "device": "auto", "seed": "3",
+            "num_examples": "5", "rollouts_per_example": "2", "max_tokens": "24", "temperature": "0.5",
+            "concurrency": "4"}  # fmt: skip
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        response = alice_client.post("/jobs/new/", data)
+    job = Job.objects.get()
+    assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
+    assert (
+        job.config["rollouts_per_example"] == 2 and job.config["seed"] == 3 and len(callbacks) == 1
+    )
+
+
+def test_job_form_errors_are_shown(alice_client, ttt_config, oracle):
+    data = {"kind": "rl", "env_config": ttt_config.pk, "model": oracle.pk, "device": "auto", "seed": "0",
+            "max_steps": "2", "batch_size": "4", "rollouts_per_example": "2", "loss_type": "grpo",
+            "lr": "0.0001", "temperature": "1", "max_tokens": "24", "save_every": "0", "beta": "0"}  # fmt: skip
+    html = alice_client.post("/jobs/new/", data).content.decode()
+    assert 'data-testid="error-model"' in html and "trains local weights" in html
+    assert not Job.objects.exists()
+
+
+def test_the_job_page_has_the_live_parts_and_the_summary(alice_client, alice_eval):
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/")
+    for element in ('id="job-status"', 'id="progress"', 'id="metric-charts"', 'id="rollout-feed"',
+                    'id="log-tail"', 'id="ema"', 'id="x-axis"', 'id="summary-outcomes"'):  # fmt: skip
+        assert element in html, element
+    assert 'data-outcome="win"' in html and "/static/vendor/plotly/plotly.min.js" in html
+    live = json.loads(
+        re.search(r'<script id="job-live" type="application/json">(.*?)</script>', html).group(1)
+    )
+    assert live["ws"] == f"/ws/jobs/{alice_eval.pk}/" and live["status"] == "succeeded"
+    assert 'id="cancel-form" class="inline-form" hidden' in html  # nothing to cancel
+
+
+def test_cancelling_from_the_job_page(alice_client, alice_eval):
+    Job.objects.filter(pk=alice_eval.pk).update(status="queued")
+    response = alice_client.post(f"/jobs/{alice_eval.pk}/cancel/", follow=True)
+    alice_eval.refresh_from_db()
+    assert alice_eval.status == "cancelled"
+    assert "cancelled" in response.content.decode()
+
+
+def test_the_inspector_filters_and_sorts(alice_client, alice_eval):
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/")
+    assert html.count("data-rollout-id=") == 8
+    assert html.count("data-rollout-id=") == len(re.findall(r'<tr data-rollout-id="\d+"', html))
+    assert (
+        page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?step=4").count("<tr data-rollout-id=")
+        == 4
+    )
+    assert (
+        page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?outcome=loss").count(
+            "<tr data-rollout-id="
+        )
+        == 0
+    )
+    one = Rollout.objects.filter(job=alice_eval).first()
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?example={one.example_id}")
+    assert (
+        html.count("<tr data-rollout-id=")
+        == Rollout.objects.filter(job=alice_eval, example_id=one.example_id).count()
+    )
+    # Text search reaches into the messages; the oracle always thinks "Empty: ...".
+    assert (
+        page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?q=Best:").count("<tr data-rollout-id=")
+        == 8
+    )
+    assert (
+        page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?q=zebra").count("<tr data-rollout-id=")
+        == 0
+    )
+    low = (
+        Rollout.objects.filter(job=alice_eval).order_by("random_move_prob").first().random_move_prob
+    )
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?opponent_max={low}")
+    assert (
+        html.count("<tr data-rollout-id=")
+        == Rollout.objects.filter(job=alice_eval, random_move_prob__lte=low).count()
+    )
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?reward_min=abc")
+    assert 'data-testid="error-reward_min"' in html
+
+
+def test_the_rollout_page_shows_conversation_board_and_rewards(alice_client, alice_eval):
+    rollout = Rollout.objects.filter(job=alice_eval).first()
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/{rollout.pk}/")
+    assert 'class="msg msg-system in-prompt"' in html and 'class="msg msg-assistant"' in html
+    assert 'class="think"' in html  # the oracle's <think> is set apart
+    assert "<code>move=" in html  # the parsed move
+    assert html.count('class="board-frame"') == len(rollout.state["moves"])
+    for name in rollout.rewards:
+        assert f"<td>{name}</td>" in html
+
+
+def test_two_rollouts_side_by_side(alice_client, alice_eval):
+    a, b = Rollout.objects.filter(job=alice_eval)[:2]
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/compare/?id={a.pk}&id={b.pk}")
+    assert f'data-rollout-id="{a.pk}"' in html and f'data-rollout-id="{b.pk}"' in html
+    response = alice_client.get(f"/jobs/{alice_eval.pk}/rollouts/compare/?id={a.pk}")
+    assert response.status_code == 302
+
+
+def test_download_filtered_rollouts_as_jsonl(alice_client, alice_eval):
+    response = alice_client.get(f"/jobs/{alice_eval.pk}/rollouts.jsonl?step=8")
+    lines = b"".join(response.streaming_content).decode().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 4 and {r["step"] for r in rows} == {8}
+    assert {"messages", "rewards", "state", "outcome", "tokens"} <= set(rows[0])
+
+
+def test_compare_runs_offers_the_union_of_metric_names(alice_client, alice_eval):
+    html = page(alice_client, f"/compare/?jobs={alice_eval.pk}&metric=loss/kl")
+    assert '<option value="loss/kl" selected>' in html and '<option value="reward/mean"' in html
+    assert 'id="compare-chart"' in html and "/static/js/compare.js" in html
+
+
+def test_plotly_is_served_from_our_static_files():
+    path = finders.find("vendor/plotly/plotly.min.js")
+    assert path and Path(path).read_text()[:200].startswith("/**")
+    assert finders.find("js/job.js") and finders.find("css/lab.css")

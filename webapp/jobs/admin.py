@@ -1,0 +1,124 @@
+"""The admin: jobs with status/kind/owner/worker filters, a duration column and the
+cancel, retry and requeue actions (the same services the pages use); the rest browsable,
+rollouts and log lines read-only."""
+
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+
+from webapp.jobs import services
+from webapp.jobs.models import (
+    Checkpoint,
+    EnvironmentConfig,
+    Job,
+    LogLine,
+    Metric,
+    ModelEntry,
+    Rollout,
+)
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = (
+        "id",
+        "kind",
+        "status",
+        "owner",
+        "worker",
+        "queue",
+        "title",
+        "created",
+        "duration",
+    )
+    list_filter = ("status", "kind", "owner", "worker", "queue")
+    search_fields = ("id", "worker", "error", "celery_task_id")
+    readonly_fields = ("created", "started", "finished", "heartbeat", "celery_task_id", "last_step")
+    raw_id_fields = ("env_config", "model", "parent_checkpoint")
+    actions = ["cancel_jobs", "retry_jobs", "requeue_jobs"]
+
+    @admin.display(description="duration")
+    def duration(self, job: Job) -> str:
+        return job.duration_text
+
+    def _each(self, request, queryset, action, verb: str) -> None:
+        done = 0
+        for job in queryset:
+            try:
+                action(job=job)
+                done += 1
+            except ValidationError as exc:
+                self.message_user(request, f"job #{job.pk}: {exc.messages[0]}", messages.WARNING)
+        if done:
+            self.message_user(request, f"{verb} {done} job(s).", messages.SUCCESS)
+
+    @admin.action(description="Cancel selected jobs")
+    def cancel_jobs(self, request, queryset):
+        self._each(request, queryset, services.job_cancel, "Cancelled")
+
+    @admin.action(description="Retry as new jobs (RL resumes from the last checkpoint)")
+    def retry_jobs(self, request, queryset):
+        self._each(request, queryset, services.job_retry, "Retried")
+
+    @admin.action(description="Requeue (run the same job again from the start)")
+    def requeue_jobs(self, request, queryset):
+        self._each(request, queryset, services.job_requeue, "Requeued")
+
+
+@admin.register(Checkpoint)
+class CheckpointAdmin(admin.ModelAdmin):
+    list_display = ("id", "job", "step", "path", "created")
+    list_filter = ("job__owner",)
+    raw_id_fields = ("job",)
+
+
+@admin.register(ModelEntry)
+class ModelEntryAdmin(admin.ModelAdmin):
+    list_display = ("name", "kind", "location", "base_url", "api_key_env", "owner", "created")
+    list_filter = ("kind", "owner")
+    search_fields = ("name", "location")
+    raw_id_fields = ("checkpoint",)
+
+
+@admin.register(EnvironmentConfig)
+class EnvironmentConfigAdmin(admin.ModelAdmin):
+    list_display = ("name", "env_name", "owner", "created")
+    list_filter = ("env_name", "owner")
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Rollout)
+class RolloutAdmin(ReadOnlyAdmin):
+    list_display = (
+        "id",
+        "job",
+        "step",
+        "example_id",
+        "outcome",
+        "reward",
+        "completion_tokens",
+        "invalid_moves",
+    )
+    list_filter = ("outcome", "truncated")
+    search_fields = ("job__id",)
+    raw_id_fields = ("job",)
+
+
+@admin.register(LogLine)
+class LogLineAdmin(ReadOnlyAdmin):
+    list_display = ("id", "job", "created", "level", "message")
+    list_filter = ("level",)
+    raw_id_fields = ("job",)
+
+
+@admin.register(Metric)
+class MetricAdmin(ReadOnlyAdmin):
+    list_display = ("id", "job", "step", "name", "value", "created")
+    search_fields = ("name",)
+    raw_id_fields = ("job",)

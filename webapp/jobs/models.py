@@ -1,0 +1,360 @@
+"""The lab's data: environment configs, registered models, jobs and what jobs report
+(metrics, rollouts, log lines, checkpoints).
+
+A Job row stores its fully resolved rlcore config, so what ran can always be read back.
+Workers write Metric, Rollout and LogLine rows in batches; pages and the JSON API read
+them. Behaviour that is about one row (its URL, whether it can be cancelled, how long it
+ran, its compact JSON form) lives here on the model.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.urls import reverse
+from django.utils import timezone
+
+
+class EnvironmentConfig(models.Model):
+    """A named set of parameters for one registered environment, validated by its schema."""
+
+    name = models.CharField(max_length=100)
+    env_name = models.CharField(max_length=100)
+    params = models.JSONField(default=dict, blank=True)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    created = models.DateTimeField(default=timezone.now)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "name"], name="unique_env_config_name")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.env_name})"
+
+    def get_absolute_url(self) -> str:
+        return reverse("jobs:env_config_edit", args=[self.pk])
+
+
+class ModelEntry(models.Model):
+    """A policy a job can use: the tiny model, a checkpoint directory, a hub id, an
+    OpenAI-compatible endpoint, or an environment's built-in player.
+
+    For endpoints only the NAME of the environment variable that holds the API key is
+    stored; the key itself never enters the database.
+    """
+
+    class Kind(models.TextChoices):
+        TINY = "tiny", "built-in tiny model"
+        HF = "hf", "Hugging Face directory or hub id"
+        CHECKPOINT = "checkpoint", "checkpoint directory"
+        OPENAI = "openai", "OpenAI-compatible endpoint"
+        BUILTIN = "builtin", "environment built-in player"
+
+    name = models.CharField(max_length=200)
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    location = models.CharField(
+        max_length=500, help_text="Directory, hub id, served model name or player name."
+    )
+    base_url = models.CharField(max_length=500, blank=True)
+    api_key_env = models.CharField(max_length=100, blank=True)
+    generation = models.JSONField(default=dict, blank=True)
+    checkpoint = models.OneToOneField(
+        "Checkpoint", null=True, blank=True, on_delete=models.CASCADE, related_name="model_entry"
+    )
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created"]
+        verbose_name = "model"
+        constraints = [models.UniqueConstraint(fields=["owner", "name"], name="unique_model_name")]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def policy_args(self) -> dict:
+        """The `model`, `base_url` and `api_key_env` fields of an rlcore config."""
+        args: dict = {"model": "tiny" if self.kind == self.Kind.TINY else self.location}
+        if self.kind == self.Kind.OPENAI:
+            args["base_url"] = self.base_url
+            args["api_key_env"] = self.api_key_env or "OPENAI_API_KEY"
+        return args
+
+    @property
+    def is_local(self) -> bool:
+        """Whether it runs as torch weights on the worker (and can be trained)."""
+        return self.kind in (self.Kind.TINY, self.Kind.HF, self.Kind.CHECKPOINT)
+
+
+class Job(models.Model):
+    """One eval, synth, SFT or RL run, executed by a Celery worker."""
+
+    class Kind(models.TextChoices):
+        EVAL = "eval", "eval"
+        SYNTH = "synth", "synth"
+        SFT = "sft", "sft"
+        RL = "rl", "rl"
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "queued"
+        RUNNING = "running", "running"
+        SUCCEEDED = "succeeded", "succeeded"
+        FAILED = "failed", "failed"
+        CANCELLED = "cancelled", "cancelled"
+
+    ACTIVE = (Status.QUEUED, Status.RUNNING)
+
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED)
+    config = models.JSONField(default=dict)
+    env_config = models.ForeignKey(
+        EnvironmentConfig, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
+    model = models.ForeignKey(
+        ModelEntry, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
+    parent_checkpoint = models.ForeignKey(
+        "Checkpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="child_jobs"
+    )
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    worker = models.CharField(max_length=200, blank=True)
+    queue = models.CharField(max_length=20, default="cpu")
+    celery_task_id = models.CharField(max_length=100, blank=True)
+    progress_done = models.IntegerField(default=0)
+    progress_total = models.IntegerField(default=0)
+    progress_desc = models.CharField(max_length=200, blank=True)
+    error = models.TextField(blank=True)
+    summary = models.JSONField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    last_step = models.IntegerField(null=True, blank=True)
+    created = models.DateTimeField(default=timezone.now)
+    started = models.DateTimeField(null=True, blank=True)
+    finished = models.DateTimeField(null=True, blank=True)
+    heartbeat = models.DateTimeField(
+        null=True, blank=True, help_text="Last time the worker reported anything."
+    )
+
+    class Meta:
+        ordering = ["-created"]
+        indexes = [models.Index(fields=["owner", "-created"]), models.Index(fields=["status"])]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.kind} {self.title}"
+
+    @property
+    def title(self) -> str:
+        env = self.config.get("env") or (self.env_config.env_name if self.env_config else "")
+        model = self.model.name if self.model else self.config.get("model", "")
+        return " · ".join(part for part in (env, model) if part)
+
+    @property
+    def group_name(self) -> str:
+        """The Channels group its live updates go to."""
+        return f"job-{self.pk}"
+
+    def get_absolute_url(self) -> str:
+        return reverse("jobs:job_detail", args=[self.pk])
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in self.ACTIVE
+
+    @property
+    def can_cancel(self) -> bool:
+        return self.is_active and not self.cancel_requested
+
+    @property
+    def duration(self):
+        """Wall time from start to end (or to now while running); None before it starts."""
+        if self.started is None:
+            return None
+        return (self.finished or timezone.now()) - self.started
+
+    @property
+    def duration_text(self) -> str:
+        """The duration as h:mm:ss (or m:ss), "–" before the job starts."""
+        if self.duration is None:
+            return "–"
+        seconds = int(self.duration.total_seconds())
+        hours, rest = divmod(seconds, 3600)
+        minutes, seconds = divmod(rest, 60)
+        return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+    @property
+    def progress_fraction(self) -> float:
+        if not self.progress_total:
+            return 1.0 if self.status == self.Status.SUCCEEDED else 0.0
+        return min(1.0, self.progress_done / self.progress_total)
+
+    def progress_dict(self) -> dict:
+        return {
+            "done": self.progress_done,
+            "total": self.progress_total,
+            "desc": self.progress_desc,
+        }
+
+    def to_dict(self) -> dict:
+        duration = self.duration
+        return {
+            "id": self.pk,
+            "kind": self.kind,
+            "status": self.status,
+            "title": self.title,
+            "owner": self.owner.get_username(),
+            "env_config": self.env_config_id,
+            "model": self.model_id,
+            "parent_checkpoint": self.parent_checkpoint_id,
+            "worker": self.worker,
+            "queue": self.queue,
+            "progress": self.progress_dict(),
+            "last_step": self.last_step,
+            "cancel_requested": self.cancel_requested,
+            "error": self.error,
+            "summary": self.summary,
+            "result": self.result,
+            "config": self.config,
+            "created": self.created.isoformat(),
+            "started": self.started.isoformat() if self.started else None,
+            "finished": self.finished.isoformat() if self.finished else None,
+            "duration_s": duration.total_seconds() if duration is not None else None,
+            "url": self.get_absolute_url(),
+        }
+
+
+class Checkpoint(models.Model):
+    """A model saved by a training job; a ModelEntry of kind checkpoint points at it."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.IntegerField()
+    path = models.CharField(max_length=500)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job", "step"]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} step {self.step}"
+
+
+class Metric(models.Model):
+    """One value of one named series (`reward/mean`, `loss/kl`, ...) at one step."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
+    step = models.IntegerField()
+    name = models.CharField(max_length=200)
+    value = models.FloatField()
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["job", "step"]),
+            models.Index(fields=["job", "name", "step"]),
+        ]
+
+
+class Rollout(models.Model):
+    """One episode as rlcore reported it, with columns pulled out for filtering."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="rollouts")
+    step = models.IntegerField()
+    example_id = models.IntegerField()
+    group = models.IntegerField(default=0)
+    seed = models.BigIntegerField(default=0)
+    messages = models.JSONField(default=list)
+    prompt_len = models.IntegerField(default=0)
+    rewards = models.JSONField(default=dict)
+    reward = models.FloatField(default=0.0)
+    state = models.JSONField(default=dict)
+    info = models.JSONField(default=dict)
+    outcome = models.CharField(max_length=50, blank=True)
+    prompt_tokens = models.IntegerField(default=0)
+    completion_tokens = models.IntegerField(default=0)
+    truncated = models.BooleanField(default=False)
+    num_turns = models.IntegerField(default=0)
+    invalid_moves = models.IntegerField(null=True, blank=True)
+    random_move_prob = models.FloatField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    seconds = models.FloatField(default=0.0)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["step", "id"]
+        indexes = [
+            models.Index(fields=["job", "step"]),
+            models.Index(fields=["job", "example_id"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"rollout {self.pk} (job {self.job_id}, step {self.step})"
+
+    def get_absolute_url(self) -> str:
+        return reverse("jobs:rollout_detail", args=[self.job_id, self.pk])
+
+    @property
+    def completion(self) -> list[dict]:
+        return self.messages[self.prompt_len :]
+
+    def to_summary(self) -> dict:
+        """The compact form the live feed and the table use."""
+        return {
+            "id": self.pk,
+            "step": self.step,
+            "example_id": self.example_id,
+            "group": self.group,
+            "outcome": self.outcome,
+            "reward": self.reward,
+            "rewards": self.rewards,
+            "completion_tokens": self.completion_tokens,
+            "num_turns": self.num_turns,
+            "invalid_moves": self.invalid_moves,
+            "random_move_prob": self.random_move_prob,
+            "truncated": self.truncated,
+            "error": bool(self.error),
+            "url": self.get_absolute_url(),
+        }
+
+    def to_dict(self) -> dict:
+        """The full row; the same shape as one line of rlcore's results.jsonl, plus ids."""
+        return {
+            "id": self.pk,
+            "job": self.job_id,
+            "step": self.step,
+            "example_id": self.example_id,
+            "seed": self.seed,
+            "group": self.group,
+            "messages": self.messages,
+            "prompt_len": self.prompt_len,
+            "rewards": self.rewards,
+            "reward": self.reward,
+            "state": self.state,
+            "outcome": self.outcome or None,
+            "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens},
+            "num_turns": self.num_turns,
+            "truncated": self.truncated,
+            "error": self.error or None,
+            "info": self.info,
+            "seconds": self.seconds,
+        }
+
+
+class LogLine(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_lines")
+    created = models.DateTimeField(default=timezone.now)
+    level = models.CharField(max_length=10, default="info")
+    message = models.TextField()
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["job", "id"])]
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.pk,
+            "created": self.created.isoformat(),
+            "level": self.level,
+            "message": self.message,
+        }

@@ -1,0 +1,201 @@
+"""Reading the lab's data: who may see what, metric series, filtered rollouts.
+
+Every page and API call goes through these, so access control is in one place: a user
+sees their own jobs, configs and models; staff see everyone's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from django.db.models import QuerySet
+from django.shortcuts import get_object_or_404
+
+from webapp.jobs.models import EnvironmentConfig, Job, LogLine, Metric, ModelEntry, Rollout
+
+DEFAULT_MAX_POINTS = 2000
+
+
+def jobs_for_user(user) -> QuerySet[Job]:
+    jobs = Job.objects.select_related("owner", "model", "env_config")
+    return jobs if user.is_staff else jobs.filter(owner=user)
+
+
+def job_for_user(user, job_id: int) -> Job:
+    """The job if `user` may see it; 404 otherwise (whether or not it exists)."""
+    return get_object_or_404(jobs_for_user(user), pk=job_id)
+
+
+def env_configs_for_user(user) -> QuerySet[EnvironmentConfig]:
+    configs = EnvironmentConfig.objects.select_related("owner")
+    return configs if user.is_staff else configs.filter(owner=user)
+
+
+def models_for_user(user) -> QuerySet[ModelEntry]:
+    models = ModelEntry.objects.select_related("owner", "checkpoint")
+    return models if user.is_staff else models.filter(owner=user)
+
+
+def synth_datasets_for_user(user) -> list[tuple[str, str]]:
+    """(path, label) of datasets written by the user's finished synth jobs."""
+    jobs = jobs_for_user(user).filter(kind=Job.Kind.SYNTH, status=Job.Status.SUCCEEDED)
+    return [
+        (job.result["path"], f"job #{job.pk}: {job.result.get('kept', '?')} conversations")
+        for job in jobs
+        if job.result and job.result.get("path")
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics
+
+
+def downsample(points: list[tuple], max_points: int) -> list[tuple]:
+    """At most about `max_points` points: the series cut into bins, keeping each bin's
+    lowest and highest value (in step order), so spikes survive downsampling."""
+    if max_points < 2 or len(points) <= max_points:
+        return points
+    bins = max_points // 2
+    size = len(points) / bins
+    kept = []
+    for b in range(bins):
+        chunk = points[int(b * size) : int((b + 1) * size)]
+        if not chunk:
+            continue
+        low = min(chunk, key=lambda p: p[1])
+        high = max(chunk, key=lambda p: p[1])
+        kept.extend(sorted({low, high}, key=lambda p: p[0]))
+    return kept
+
+
+def metric_series(
+    job: Job,
+    *,
+    since: int | None = None,
+    names: list[str] | None = None,
+    max_points: int = DEFAULT_MAX_POINTS,
+) -> dict[str, list[dict]]:
+    """{name: [{step, value, t}, ...]} for steps after `since`, downsampled per series."""
+    rows = Metric.objects.filter(job=job)
+    if since is not None:
+        rows = rows.filter(step__gt=since)
+    if names:
+        rows = rows.filter(name__in=names)
+    by_name: dict[str, list[tuple]] = defaultdict(list)
+    for name, step, value, created in rows.order_by("name", "step", "id").values_list(
+        "name", "step", "value", "created"
+    ):
+        by_name[name].append((step, value, created.timestamp()))
+    return {
+        name: [{"step": s, "value": v, "t": t} for s, v, t in downsample(points, max_points)]
+        for name, points in sorted(by_name.items())
+    }
+
+
+def metric_names(jobs) -> list[str]:
+    return list(
+        Metric.objects.filter(job__in=jobs)
+        .values_list("name", flat=True)
+        .distinct()
+        .order_by("name")
+    )
+
+
+def metric_rows(job: Job) -> QuerySet[Metric]:
+    return Metric.objects.filter(job=job).order_by("step", "name", "id")
+
+
+def logs_after(job: Job, *, after: int | None = None, limit: int = 500) -> list[LogLine]:
+    """Log lines with id > `after`; without a cursor, the last `limit` lines."""
+    lines = LogLine.objects.filter(job=job)
+    if after is not None:
+        return list(lines.filter(id__gt=after).order_by("id")[:limit])
+    return list(reversed(lines.order_by("-id")[:limit]))
+
+
+def recent_rollouts(job: Job, *, since: int | None = None, limit: int = 50) -> list[Rollout]:
+    rows = Rollout.objects.filter(job=job).defer("messages", "state", "info")
+    if since is not None:
+        rows = rows.filter(step__gt=since)
+    return list(reversed(rows.order_by("-step", "-id")[:limit]))
+
+
+# ---------------------------------------------------------------------------------------
+# Rollouts
+
+
+@dataclass
+class RolloutFilters:
+    """The inspector's filters; every field optional."""
+
+    outcome: str = ""
+    reward_min: float | None = None
+    reward_max: float | None = None
+    step: int | None = None
+    example_id: int | None = None
+    opponent_min: float | None = None
+    opponent_max: float | None = None
+    search: str = ""
+    errors_only: bool = False
+    sort: str = "step"
+
+
+SORTS = {
+    "step": ("step", "id"),
+    "-step": ("-step", "-id"),
+    "reward": ("reward", "id"),
+    "-reward": ("-reward", "id"),
+    "example": ("example_id", "step", "id"),
+    "length": ("completion_tokens", "id"),
+    "-length": ("-completion_tokens", "id"),
+    "invalid": ("invalid_moves", "id"),
+    "-invalid": ("-invalid_moves", "id"),
+    "opponent": ("random_move_prob", "id"),
+    "-opponent": ("-random_move_prob", "id"),
+}
+
+
+def rollouts_filtered(job: Job, filters: RolloutFilters) -> QuerySet[Rollout]:
+    rows = Rollout.objects.filter(job=job)
+    if filters.outcome:
+        rows = rows.filter(outcome=filters.outcome)
+    if filters.reward_min is not None:
+        rows = rows.filter(reward__gte=filters.reward_min)
+    if filters.reward_max is not None:
+        rows = rows.filter(reward__lte=filters.reward_max)
+    if filters.step is not None:
+        rows = rows.filter(step=filters.step)
+    if filters.example_id is not None:
+        rows = rows.filter(example_id=filters.example_id)
+    if filters.opponent_min is not None:
+        rows = rows.filter(random_move_prob__gte=filters.opponent_min)
+    if filters.opponent_max is not None:
+        rows = rows.filter(random_move_prob__lte=filters.opponent_max)
+    if filters.search:
+        # The messages' JSON as text: finds words in any message, role or tool call.
+        rows = rows.filter(messages__icontains=filters.search)
+    if filters.errors_only:
+        rows = rows.exclude(error="")
+    return rows.order_by(*SORTS.get(filters.sort, SORTS["step"]))
+
+
+def rollout_outcomes(job: Job) -> list[str]:
+    return list(
+        Rollout.objects.filter(job=job)
+        .exclude(outcome="")
+        .values_list("outcome", flat=True)
+        .distinct()
+        .order_by("outcome")
+    )
+
+
+def rollout_reward_names(job: Job, rollouts) -> list[str]:
+    names: list[str] = []
+    for rollout in rollouts:
+        names += [n for n in rollout.rewards if n not in names]
+    return names
+
+
+def rollout_for_job(job: Job, rollout_id: int) -> Rollout:
+    return get_object_or_404(Rollout, job=job, pk=rollout_id)

@@ -1,0 +1,480 @@
+"""What the lab does: typed, keyword-only services with verb names.
+
+Views and the JSON API validate input, call one of these, and render. Services check
+what only the server can check (environment parameters against the env's schema, model
+paths against MODEL_ROOTS, job settings against rlcore's config classes), resolve a job's
+full rlcore config so it is stored with the job, and enqueue work after the transaction
+commits so a worker never sees a job row that was rolled back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from rlcore.envs import ParamError, load_environment
+from rlcore.evaluate import EvalConfig
+from rlcore.train.config import (
+    DEVICES,
+    ConfigError,
+    RLConfig,
+    SFTConfig,
+    SynthConfig,
+    load_config,
+)
+from webapp.jobs.live import notify_job
+from webapp.jobs.models import (
+    Checkpoint,
+    EnvironmentConfig,
+    Job,
+    LogLine,
+    Metric,
+    ModelEntry,
+    Rollout,
+)
+
+RECIPE_DIR = settings.BASE_DIR / "recipes" / "tictactoe_tiny"
+CONFIG_CLASSES = {"eval": EvalConfig, "synth": SynthConfig, "sft": SFTConfig, "rl": RLConfig}
+# The config key each kind writes its outputs under.
+OUTPUT_KEYS = {"eval": "out_dir", "synth": "output_dir", "sft": "output_dir", "rl": "output_dir"}
+ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+BUILTIN_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+# ---------------------------------------------------------------------------------------
+# Environments
+
+
+def env_params_resolve(*, env_name: str, params: dict) -> dict:
+    """`params` checked by the environment itself: defaults filled in, values coerced.
+
+    Raises ParamError(field -> what was wrong), the environment's own errors, so a form
+    can put each message under its field.
+    """
+    try:
+        env = load_environment(env_name, **params)
+    except KeyError as exc:
+        raise ParamError({"env_name": str(exc.args[0])}) from None
+    return dict(env.config)
+
+
+def env_config_save(
+    *,
+    owner,
+    name: str,
+    env_name: str,
+    params: dict,
+    env_config: EnvironmentConfig | None = None,
+) -> EnvironmentConfig:
+    """Create (or update `env_config`) a named, validated set of environment parameters."""
+    resolved = env_params_resolve(env_name=env_name, params=params)
+    config = env_config or EnvironmentConfig(owner=owner)
+    config.name, config.env_name, config.params = name, env_name, resolved
+    try:
+        with transaction.atomic():
+            config.save()
+    except IntegrityError:
+        raise ValidationError(
+            {"name": f"you already have an environment config named {name!r}"}
+        ) from None
+    return config
+
+
+def env_examples_preview(
+    *, env_name: str, params: dict, count: int = 3, seed: int = 0
+) -> list[dict]:
+    """The first `count` examples the environment would serve: prompts and metadata."""
+    env = load_environment(env_name, **params)
+    return [
+        {"id": ex.id, "group": ex.group, "prompt": ex.prompt, "info": ex.info}
+        for ex in env.examples(count, seed=seed)
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Models
+
+
+def _allowed_roots() -> list[Path]:
+    return [Path(root).expanduser().resolve() for root in settings.MODEL_ROOTS]
+
+
+def path_confine(*, location: str, what: str = "model directory", is_file: bool = False) -> str:
+    """`location` resolved (symlinks followed), if it lies under one of MODEL_ROOTS.
+
+    Jobs run on workers with the lab's permissions; confining paths keeps a form from
+    pointing a job at arbitrary files on the server.
+    """
+    path = Path(location).expanduser()
+    if not path.is_absolute():
+        path = settings.BASE_DIR / path
+    resolved = path.resolve()
+    roots = _allowed_roots()
+    if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
+        raise ValidationError(
+            f"{location!r} is outside the directories models and data may come from "
+            f"({', '.join(str(r) for r in roots)}); move it under one of them or add its "
+            "directory to MODEL_ROOTS"
+        )
+    if is_file and not resolved.is_file():
+        raise ValidationError(f"{what} {str(resolved)!r} does not exist or is not a file")
+    if not is_file and not resolved.is_dir():
+        raise ValidationError(f"{what} {str(resolved)!r} does not exist or is not a directory")
+    return str(resolved)
+
+
+def _looks_like_path(location: str) -> bool:
+    return location.startswith(("/", "~", "./", "../")) or (settings.BASE_DIR / location).exists()
+
+
+def model_create(
+    *,
+    owner,
+    name: str,
+    kind: str,
+    location: str = "",
+    base_url: str = "",
+    api_key_env: str = "",
+    generation: dict | None = None,
+) -> ModelEntry:
+    """Register a model; ValidationError(field -> why) when a field cannot be used."""
+    location, base_url, api_key_env = location.strip(), base_url.strip(), api_key_env.strip()
+    errors: dict[str, str] = {}
+    if kind not in ModelEntry.Kind.values:
+        errors["kind"] = f"unknown kind {kind!r}; accepted: {', '.join(ModelEntry.Kind.values)}"
+    elif kind == ModelEntry.Kind.TINY:
+        location = "tiny"
+    elif kind == ModelEntry.Kind.CHECKPOINT or (
+        kind == ModelEntry.Kind.HF and location and _looks_like_path(location)
+    ):
+        try:
+            location = path_confine(location=location)
+        except ValidationError as exc:
+            errors["location"] = exc.messages[0]
+    elif kind == ModelEntry.Kind.HF:
+        if not HUB_ID.match(location):
+            errors["location"] = (
+                f"{location!r} is neither a directory under MODEL_ROOTS nor a hub id "
+                "such as 'Qwen/Qwen2.5-0.5B-Instruct'"
+            )
+    elif kind == ModelEntry.Kind.OPENAI:
+        if not re.match(r"^https?://\S+$", base_url):
+            errors["base_url"] = (
+                f"an OpenAI-compatible endpoint needs an http(s) base URL such as "
+                f"http://127.0.0.1:8000/v1, got {base_url!r}"
+            )
+        if not location:
+            errors["location"] = "the served model's name is required (e.g. gpt-4o-mini)"
+        if api_key_env and not ENV_VAR_NAME.match(api_key_env):
+            # Never echo the value: it may be a pasted key.
+            errors["api_key_env"] = (
+                "give the NAME of the environment variable that holds the key on the "
+                "workers (letters, digits, underscores, e.g. OPENAI_API_KEY), not the key"
+            )
+    elif kind == ModelEntry.Kind.BUILTIN and not BUILTIN_NAME.match(location):
+        errors["location"] = (
+            f"a built-in player is named in lower case (oracle, random, constant), got {location!r}"
+        )
+    if kind != ModelEntry.Kind.OPENAI:
+        base_url, api_key_env = "", ""
+    if errors:
+        raise ValidationError(errors)
+    entry = ModelEntry(
+        owner=owner,
+        name=name,
+        kind=kind,
+        location=location,
+        base_url=base_url,
+        api_key_env=api_key_env,
+        generation=generation or {},
+    )
+    try:
+        with transaction.atomic():
+            entry.save()
+    except IntegrityError:
+        raise ValidationError({"name": f"you already have a model named {name!r}"}) from None
+    return entry
+
+
+def model_delete(*, model: ModelEntry) -> None:
+    """Forget a registered model (jobs that used it keep their stored config)."""
+    model.delete()
+
+
+# ---------------------------------------------------------------------------------------
+# Job configs
+
+
+def recipe_path(kind: str) -> Path | None:
+    path = RECIPE_DIR / f"{kind}.toml"
+    return path if path.is_file() else None
+
+
+def kind_defaults(kind: str) -> dict[str, Any]:
+    """The kind's config defaults: the dataclass defaults under the tictactoe_tiny recipe."""
+    cls = CONFIG_CLASSES[kind]
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+    path = recipe_path(kind)
+    if path is not None:
+        values.update(tomllib.loads(path.read_text()))
+    return values
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckedEvalConfig(EvalConfig):
+    """EvalConfig with the checks rlcore's train configs have, so `load_config` can coerce
+    and validate an eval job's settings the same way (EvalConfig itself checks nothing)."""
+
+    def validate(self) -> None:
+        errors = [
+            f"{name} must be at least 1, got {getattr(self, name)!r}"
+            for name in ("num_examples", "rollouts_per_example", "max_tokens", "concurrency")
+            if getattr(self, name) < 1
+        ]
+        if self.temperature < 0:
+            errors.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.device not in DEVICES:
+            errors.append(f"device must be one of {list(DEVICES)}, got {self.device!r}")
+        if errors:
+            raise ConfigError("EvalConfig: " + "; ".join(errors))
+
+
+def _parse_overrides(text: str) -> dict[str, Any]:
+    """`key=value` lines (values parsed as JSON when they parse) into a dict."""
+    values: dict[str, Any] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, raw = line.partition("=")
+        if not sep or not key.strip():
+            raise ValidationError(
+                {"overrides": f"line {number}: {line!r} is not of the form key=value"}
+            )
+        try:
+            values[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[key.strip()] = raw.strip()
+    return values
+
+
+def job_config_resolve(
+    *,
+    kind: str,
+    env_config: EnvironmentConfig | None,
+    model: ModelEntry,
+    options: dict,
+    overrides: str = "",
+) -> dict:
+    """The full rlcore config a job will run with, as a JSON-able dict.
+
+    Layers, later winning: the config class defaults, the recipe in
+    recipes/tictactoe_tiny/<kind>.toml, the model's generation defaults, the form's
+    settings, then free `key=value` overrides. rlcore validates the result; its message
+    becomes a form error.
+    """
+    if kind not in CONFIG_CLASSES:
+        raise ValidationError(
+            {"kind": f"unknown job kind {kind!r}; accepted: eval, synth, sft, rl"}
+        )
+    if model.kind in (ModelEntry.Kind.OPENAI, ModelEntry.Kind.BUILTIN) and kind in ("sft", "rl"):
+        raise ValidationError(
+            {
+                "model": f"{kind} trains local weights; pick the tiny model, a checkpoint or a hub model"
+            }
+        )
+    if kind in ("eval", "synth", "rl") and env_config is None:
+        raise ValidationError({"env_config": f"a {kind} job needs an environment config"})
+    if model.kind == ModelEntry.Kind.BUILTIN:
+        offered = load_environment(env_config.env_name, **env_config.params).builtin_policies()
+        if model.location not in offered:
+            raise ValidationError(
+                {
+                    "model": f"environment {env_config.env_name!r} has no built-in player "
+                    f"{model.location!r}; it offers: {', '.join(offered)}"
+                }
+            )
+
+    cls = CONFIG_CLASSES[kind]
+    field_names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    values |= {k: v for k, v in (model.generation or {}).items() if k in field_names}
+    values |= model.policy_args()
+    if kind in ("eval", "synth", "rl"):
+        values["env"] = env_config.env_name
+        values["env_args"] = dict(env_config.params)
+    values |= {k: v for k, v in options.items() if v is not None and v != ""}
+    values |= _parse_overrides(overrides)
+
+    try:
+        overrides_list = [f"{k}={json.dumps(v)}" for k, v in values.items()]
+        checked = CheckedEvalConfig if kind == "eval" else cls
+        config = load_config(checked, recipe_path(kind), overrides_list).to_dict()
+    except ConfigError as exc:
+        raise ValidationError(str(exc)) from None
+    return config
+
+
+def _queue_for(config: dict) -> str:
+    return "gpu" if str(config.get("device", "auto")).startswith("cuda") else "cpu"
+
+
+def _enqueue_on_commit(job: Job) -> None:
+    """Send the job to its queue once the row is committed (never for a rolled-back row)."""
+    from workers.tasks import run_job
+
+    job_id, queue, task_id = job.pk, job.queue, job.celery_task_id
+    transaction.on_commit(lambda: run_job.apply_async(args=[job_id], queue=queue, task_id=task_id))
+
+
+def job_create(
+    *,
+    owner,
+    kind: str,
+    env_config: EnvironmentConfig | None,
+    model: ModelEntry,
+    options: dict | None = None,
+    overrides: str = "",
+    parent_checkpoint: Checkpoint | None = None,
+) -> Job:
+    """Resolve the job's config, store it, and queue the job (cpu, or gpu for cuda)."""
+    config = job_config_resolve(
+        kind=kind, env_config=env_config, model=model, options=options or {}, overrides=overrides
+    )
+    if parent_checkpoint is None and model.kind == ModelEntry.Kind.CHECKPOINT:
+        parent_checkpoint = model.checkpoint
+    return _job_insert(
+        owner=owner,
+        kind=kind,
+        config=config,
+        env_config=env_config,
+        model=model,
+        parent_checkpoint=parent_checkpoint,
+    )
+
+
+def _job_insert(*, owner, kind, config, env_config, model, parent_checkpoint) -> Job:
+    with transaction.atomic():
+        job = Job.objects.create(
+            owner=owner,
+            kind=kind,
+            config=config,
+            env_config=env_config,
+            model=model,
+            parent_checkpoint=parent_checkpoint,
+            queue=_queue_for(config),
+            celery_task_id=str(uuid.uuid4()),
+        )
+        # Each job writes under its own directory, named after its id.
+        job.config[OUTPUT_KEYS[kind]] = str(Path(settings.RUNS_DIR) / f"job-{job.pk}")
+        job.save(update_fields=["config"])
+        _enqueue_on_commit(job)
+    return job
+
+
+def job_cancel(*, job: Job) -> Job:
+    """Cancel a queued job at once; ask a running one to stop after its current step."""
+    if not job.is_active:
+        raise ValidationError(
+            f"job #{job.pk} is already {job.status}; only queued or running jobs can be cancelled"
+        )
+    now = timezone.now()
+    if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(
+        status=Job.Status.CANCELLED, finished=now, cancel_requested=True
+    ):
+        from workers.celery import app
+
+        app.control.revoke(job.celery_task_id)
+    else:
+        # It started in the meantime: the worker's sink sees the flag between steps.
+        Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(cancel_requested=True)
+    job.refresh_from_db()
+    notify_job(job.pk, {"type": "job.status", **job_status_payload(job)})
+    return job
+
+
+def job_status_payload(job: Job) -> dict:
+    return {
+        "job": job.pk,
+        "status": job.status,
+        "cancel_requested": job.cancel_requested,
+        "error": job.error,
+        "worker": job.worker,
+        "progress": job.progress_dict(),
+        "last_step": job.last_step,
+    }
+
+
+def job_retry(*, job: Job) -> Job:
+    """A new job with the same config; an RL job resumes from its last checkpoint."""
+    config = dict(job.config)
+    last = job.checkpoints.order_by("-step").first()
+    if job.kind == Job.Kind.RL and last is not None:
+        config["resume_from"] = last.path
+    return _job_insert(
+        owner=job.owner,
+        kind=job.kind,
+        config=config,
+        env_config=job.env_config,
+        model=job.model,
+        parent_checkpoint=last or job.parent_checkpoint,
+    )
+
+
+def job_requeue(*, job: Job) -> Job:
+    """Run the same job row again from the start, dropping what its last attempt wrote."""
+    if job.status == Job.Status.RUNNING:
+        raise ValidationError(f"job #{job.pk} is running; cancel it before requeueing")
+    with transaction.atomic():
+        Metric.objects.filter(job=job).delete()
+        Rollout.objects.filter(job=job).delete()
+        LogLine.objects.filter(job=job).delete()
+        job.status = Job.Status.QUEUED
+        job.cancel_requested = False
+        job.error = ""
+        job.worker = ""
+        job.summary = job.result = job.last_step = job.started = job.finished = None
+        job.heartbeat = None
+        job.progress_done = job.progress_total = 0
+        job.progress_desc = ""
+        job.celery_task_id = str(uuid.uuid4())
+        job.save()
+        _enqueue_on_commit(job)
+    return job
+
+
+def job_check_worker(*, job: Job) -> Job:
+    """A running job whose worker has gone silent and no longer has the task is marked
+    failed with the reason (called when its page or API detail loads)."""
+    if job.status != Job.Status.RUNNING:
+        return job
+    seen = job.heartbeat or job.started
+    if seen and (timezone.now() - seen).total_seconds() < settings.WORKER_STALE_SECONDS:
+        return job
+    from workers.tasks import job_mark_worker_lost, worker_has_task
+
+    if not worker_has_task(job.worker, job.celery_task_id):
+        job_mark_worker_lost(
+            job_id=job.pk,
+            reason=f"worker {job.worker or '?'} stopped answering while the job was running",
+        )
+        job.refresh_from_db()
+    return job

@@ -1,0 +1,438 @@
+"""The lab's pages. Each view validates input, calls one service or selector, renders.
+
+Every page needs a login; a user reaches only their own jobs, configs and models (staff
+reach all), and anything else is a 404, so ids of other people's jobs reveal nothing.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ValidationError
+from django.core.paginator import Paginator
+from django.http import Http404, HttpResponse, StreamingHttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from rlcore.envs import ParamError, get_env_class, list_environments
+from webapp.jobs import presenters, selectors, services
+from webapp.jobs.forms import EnvConfigForm, JobForm, ModelEntryForm, RolloutFilterForm
+from webapp.jobs.models import Job, ModelEntry
+from webapp.jobs.services import CONFIG_CLASSES
+
+ROLLOUTS_PER_PAGE = 50
+
+
+@login_required
+def home(request):
+    return redirect("jobs:job_list")
+
+
+# ---------------------------------------------------------------------------------------
+# Environments
+
+
+@login_required
+def env_list(request):
+    return render(
+        request,
+        "jobs/env_list.html",
+        {
+            "environments": list_environments(),
+            "configs": selectors.env_configs_for_user(request.user),
+        },
+    )
+
+
+def _preview(env_name: str, params: dict, seed: int) -> tuple[list[dict], str]:
+    try:
+        return services.env_examples_preview(env_name=env_name, params=params, seed=seed), ""
+    except ParamError as exc:
+        return [], str(exc)
+
+
+def _seed(request) -> int:
+    try:
+        return max(0, int(request.GET.get("seed", 0)))
+    except ValueError:
+        return 0
+
+
+@login_required
+def env_config_create(request, env_name: str):
+    try:
+        get_env_class(env_name)
+    except KeyError:
+        raise Http404(f"no environment named {env_name!r}") from None
+    form = EnvConfigForm(request.POST or None, env_name=env_name)
+    if request.method == "POST" and form.is_valid():
+        try:
+            config = services.env_config_save(
+                owner=request.user,
+                name=form.cleaned_data["name"],
+                env_name=env_name,
+                params=form.params(),
+            )
+        except (ValidationError, ParamError) as exc:
+            form.add_service_error(
+                exc if isinstance(exc, ValidationError) else ValidationError(str(exc))
+            )
+        else:
+            messages.success(request, f"Saved environment config {config.name!r}.")
+            return redirect(config)
+    examples, preview_error = _preview(env_name, {}, _seed(request))
+    return render(
+        request,
+        "jobs/env_config_form.html",
+        {"form": form, "env_name": env_name, "examples": examples, "preview_error": preview_error},
+    )
+
+
+@login_required
+def env_config_edit(request, pk: int):
+    config = get_object_or_404(selectors.env_configs_for_user(request.user), pk=pk)
+    form = EnvConfigForm(request.POST or None, env_name=config.env_name, instance=config)
+    if request.method == "POST" and form.is_valid():
+        try:
+            services.env_config_save(
+                owner=config.owner,
+                name=form.cleaned_data["name"],
+                env_name=config.env_name,
+                params=form.params(),
+                env_config=config,
+            )
+        except ValidationError as exc:
+            form.add_service_error(exc)
+        else:
+            messages.success(request, f"Saved environment config {config.name!r}.")
+            return redirect(config)
+    examples, preview_error = _preview(config.env_name, config.params, _seed(request))
+    return render(
+        request,
+        "jobs/env_config_form.html",
+        {
+            "form": form,
+            "env_name": config.env_name,
+            "config": config,
+            "examples": examples,
+            "preview_error": preview_error,
+        },
+    )
+
+
+@login_required
+@require_POST
+def env_config_delete(request, pk: int):
+    config = get_object_or_404(selectors.env_configs_for_user(request.user), pk=pk)
+    config.delete()
+    messages.success(request, f"Deleted environment config {config.name!r}.")
+    return redirect("jobs:env_list")
+
+
+# ---------------------------------------------------------------------------------------
+# Models
+
+
+@login_required
+def model_list(request):
+    form = ModelEntryForm(request.POST or None, initial={"kind": ModelEntry.Kind.TINY})
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            entry = services.model_create(
+                owner=request.user,
+                name=data["name"],
+                kind=data["kind"],
+                location=data["location"],
+                base_url=data["base_url"],
+                api_key_env=data["api_key_env"],
+                generation=form.generation(),
+            )
+        except ValidationError as exc:
+            form.add_service_error(exc)
+        else:
+            messages.success(request, f"Registered model {entry.name!r}.")
+            return redirect("jobs:model_list")
+    return render(
+        request,
+        "jobs/model_list.html",
+        {
+            "form": form,
+            "models": selectors.models_for_user(request.user),
+            "model_roots": services._allowed_roots(),
+        },
+    )
+
+
+@login_required
+@require_POST
+def model_delete(request, pk: int):
+    entry = get_object_or_404(selectors.models_for_user(request.user), pk=pk)
+    services.model_delete(model=entry)
+    messages.success(request, f"Removed model {entry.name!r}.")
+    return redirect("jobs:model_list")
+
+
+# ---------------------------------------------------------------------------------------
+# Jobs
+
+
+@login_required
+def job_list(request):
+    jobs = selectors.jobs_for_user(request.user)
+    status = request.GET.get("status", "")
+    if status in Job.Status.values:
+        jobs = jobs.filter(status=status)
+    page = Paginator(jobs, 50).get_page(request.GET.get("page"))
+    return render(
+        request,
+        "jobs/job_list.html",
+        {"page": page, "status": status, "statuses": Job.Status.values},
+    )
+
+
+@login_required
+def job_create(request):
+    kind = request.POST.get("kind") or request.GET.get("kind") or "eval"
+    if kind not in CONFIG_CLASSES:
+        kind = "eval"
+    initial = {}
+    if request.GET.get("model"):
+        initial["model"] = request.GET["model"]
+    form = JobForm(request.POST or None, kind=kind, user=request.user, initial=initial)
+    if request.method == "POST" and form.is_valid():
+        try:
+            job = services.job_create(
+                owner=request.user,
+                kind=kind,
+                env_config=form.cleaned_data.get("env_config"),
+                model=form.cleaned_data["model"],
+                options=form.options(),
+                overrides=form.cleaned_data["overrides"],
+            )
+        except (ValidationError, ParamError) as exc:
+            form.add_service_error(
+                exc if isinstance(exc, ValidationError) else ValidationError(str(exc))
+            )
+        else:
+            messages.success(request, f"Queued {job.kind} job #{job.pk} on the {job.queue} queue.")
+            return redirect(job)
+    return render(
+        request,
+        "jobs/job_form.html",
+        {
+            "form": form,
+            "kind": kind,
+            "kinds": list(CONFIG_CLASSES),
+            "recipe": services.recipe_path(kind),
+        },
+    )
+
+
+@login_required
+def job_detail(request, pk: int):
+    job = services.job_check_worker(job=selectors.job_for_user(request.user, pk))
+    live = {
+        "job": job.pk,
+        "status": job.status,
+        "started": job.started.timestamp() if job.started else None,
+        "created": job.created.timestamp(),
+        "progress": job.progress_dict(),
+        "active": job.is_active,
+        "ws": f"/ws/jobs/{job.pk}/",
+        "updates": reverse("api:job_updates", args=[job.pk]),
+        "inspector": reverse("jobs:rollout_list", args=[job.pk]),
+    }
+    return render(
+        request,
+        "jobs/job_detail.html",
+        {
+            "job": job,
+            "live": live,
+            "tables": presenters.summary_tables(job.summary if job.kind == Job.Kind.EVAL else None),
+            "report": (job.result or {}).get("report", ""),
+            "checkpoints": job.checkpoints.select_related("model_entry"),
+            "config_json": json.dumps(job.config, indent=2, sort_keys=True),
+            "result_json": json.dumps(job.result, indent=2, sort_keys=True) if job.result else "",
+        },
+    )
+
+
+@login_required
+@require_POST
+def job_cancel(request, pk: int):
+    job = selectors.job_for_user(request.user, pk)
+    try:
+        job = services.job_cancel(job=job)
+    except ValidationError as exc:
+        messages.error(request, exc.messages[0])
+    else:
+        messages.success(
+            request,
+            f"Job #{job.pk} cancelled."
+            if job.status == Job.Status.CANCELLED
+            else f"Job #{job.pk} will stop after its current step.",
+        )
+    return redirect(job)
+
+
+class _Echo:
+    def write(self, value):
+        return value
+
+
+@login_required
+def job_metrics_csv(request, pk: int):
+    job = selectors.job_for_user(request.user, pk)
+    writer = csv.writer(_Echo())
+    rows = (
+        writer.writerow([m.step, m.name, repr(m.value), m.created.isoformat()])
+        for m in selectors.metric_rows(job).iterator()
+    )
+    header = writer.writerow(["step", "name", "value", "created"])
+    response = StreamingHttpResponse(
+        (line for part in ([header], rows) for line in part), content_type="text/csv"
+    )
+    response["Content-Disposition"] = f'attachment; filename="job-{job.pk}-metrics.csv"'
+    return response
+
+
+# ---------------------------------------------------------------------------------------
+# Compare runs
+
+
+@login_required
+def compare(request):
+    jobs = selectors.jobs_for_user(request.user)
+    chosen_ids = [int(i) for i in request.GET.getlist("jobs") if i.isdigit()]
+    chosen = list(jobs.filter(pk__in=chosen_ids))
+    names = selectors.metric_names(chosen) if chosen else []
+    metric = request.GET.get("metric") or (
+        "reward/mean" if "reward/mean" in names else (names[0] if names else "")
+    )
+    series = [
+        {
+            "job": job.pk,
+            "label": f"#{job.pk} {job.kind} {job.title}",
+            "started": job.started.timestamp() if job.started else job.created.timestamp(),
+            "url": reverse("api:job_metrics", args=[job.pk]),
+        }
+        for job in chosen
+    ]
+    return render(
+        request,
+        "jobs/compare.html",
+        {
+            "jobs": jobs[:200],
+            "chosen_ids": chosen_ids,
+            "names": names,
+            "metric": metric,
+            "compare": {"metric": metric, "series": series},
+        },
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Rollout inspector
+
+
+def _filtered_rollouts(request, job):
+    """(filter form, matching rollouts), or (form with errors, None)."""
+    form = RolloutFilterForm(request.GET)
+    if not form.is_valid():
+        return form, None
+    return form, selectors.rollouts_filtered(job, form.filters())
+
+
+@login_required
+def rollout_list(request, pk: int):
+    job = selectors.job_for_user(request.user, pk)
+    form, rows = _filtered_rollouts(request, job)
+    page = Paginator(rows if rows is not None else job.rollouts.none(), ROLLOUTS_PER_PAGE).get_page(
+        request.GET.get("page")
+    )
+    query = request.GET.copy()
+    query.pop("page", None)
+    return render(
+        request,
+        "jobs/rollout_list.html",
+        {
+            "job": job,
+            "form": form,
+            "page": page,
+            "reward_names": selectors.rollout_reward_names(job, page.object_list),
+            "outcomes": selectors.rollout_outcomes(job),
+            "query": query.urlencode(),
+        },
+    )
+
+
+@login_required
+def rollout_detail(request, pk: int, rollout_id: int):
+    job = selectors.job_for_user(request.user, pk)
+    rollout = selectors.rollout_for_job(job, rollout_id)
+    siblings = (
+        job.rollouts.filter(example_id=rollout.example_id)
+        .exclude(pk=rollout.pk)
+        .only("id", "step", "reward", "outcome")[:20]
+    )
+    return render(
+        request,
+        "jobs/rollout_detail.html",
+        {
+            "job": job,
+            "rollout": rollout,
+            "messages_shown": presenters.present_messages(rollout.messages, rollout.prompt_len),
+            "frames": presenters.board_frames(rollout.state),
+            "siblings": siblings,
+            "state_json": json.dumps(rollout.state, indent=2, sort_keys=True),
+            "info_json": json.dumps(rollout.info, indent=2, sort_keys=True),
+        },
+    )
+
+
+@login_required
+def rollout_compare(request, pk: int):
+    job = selectors.job_for_user(request.user, pk)
+    ids = [i for i in request.GET.getlist("id") if i.isdigit()][:2]
+    if len(ids) != 2:
+        messages.error(request, "Pick two rollouts to compare.")
+        return redirect("jobs:rollout_list", pk=job.pk)
+    pair = [selectors.rollout_for_job(job, int(i)) for i in ids]
+    if pair[0].example_id != pair[1].example_id:
+        messages.warning(
+            request,
+            f"These rollouts played different examples ({pair[0].example_id} and "
+            f"{pair[1].example_id}); side by side anyway.",
+        )
+    reward_names = selectors.rollout_reward_names(job, pair)
+    columns = [
+        {
+            "rollout": r,
+            "messages_shown": presenters.present_messages(r.messages, r.prompt_len),
+            "frames": presenters.board_frames(r.state),
+            "rewards": [(name, r.rewards.get(name)) for name in reward_names],
+        }
+        for r in pair
+    ]
+    return render(request, "jobs/rollout_compare.html", {"job": job, "columns": columns})
+
+
+@login_required
+def rollouts_jsonl(request, pk: int):
+    job = selectors.job_for_user(request.user, pk)
+    form, rows = _filtered_rollouts(request, job)
+    if rows is None:
+        return HttpResponse(
+            json.dumps({"errors": form.errors.get_json_data()}),
+            status=400,
+            content_type="application/json",
+        )
+    lines = (json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in rows.iterator())
+    response = StreamingHttpResponse(lines, content_type="application/x-ndjson")
+    response["Content-Disposition"] = f'attachment; filename="job-{job.pk}-rollouts.jsonl"'
+    return response
