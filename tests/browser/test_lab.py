@@ -1,0 +1,262 @@
+"""Alice uses the lab in a real browser, start to finish: she saves an environment config
+(after a bad value is refused), registers models, launches an eval job and watches its
+curves grow until it succeeds, opens a rollout in the inspector, compares runs, and plays
+a whole game of tic-tac-toe against the oracle. The tests run in order and hand each
+other what they made through `lab`."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from tests.browser.conftest import log_in, screenshot
+
+pytestmark = pytest.mark.browser
+
+CONFIG_NAME = "ttt browser"
+EVAL_EXAMPLES = 5000
+# Points plotted on the reward/mean panel; Plotly keeps a chart's traces on its div.
+REWARD_POINTS_JS = """() => {
+  const div = document.querySelector('#metric-charts .chart[data-panel="reward/mean"]');
+  return div && div.data && div.data.length ? div.data[0].x.length : 0;
+}"""
+
+
+@pytest.fixture(scope="module")
+def lab() -> dict:
+    return {}
+
+
+def need(lab: dict, key: str):
+    if key not in lab:
+        pytest.fail(f"an earlier test did not leave {key!r}; run the module from the start")
+    return lab[key]
+
+
+def test_an_environment_config_is_saved_after_a_bad_value_is_refused(page: Page, lab):
+    page.goto("/envs/")
+    expect(page.locator("#env-tictactoe")).to_be_visible()
+    screenshot(page, "environments.png")
+    page.click("[data-testid=new-config-tictactoe]")
+    page.fill("#id_name", CONFIG_NAME)
+    page.fill("#id_param_max_turns", "99")  # the schema allows 1-30
+    page.fill("#id_param_min_random_move_prob", "0.2")
+    page.fill("#id_param_max_random_move_prob", "0.8")
+    page.click("#save-config")
+    error = page.locator("[data-testid=error-param_max_turns]")
+    expect(error).to_contain_text("30")
+    expect(page.locator("[data-testid=field-param_max_turns]")).to_have_class(
+        re.compile("has-error")
+    )
+
+    page.fill("#id_param_max_turns", "6")
+    page.click("#save-config")
+    expect(page.locator("#messages")).to_contain_text(f"Saved environment config '{CONFIG_NAME}'")
+    expect(page.locator("#env-preview .example").first).to_be_visible()
+    config_id = int(re.search(r"/envs/configs/(\d+)/", page.url).group(1))
+    screenshot(page, "env_config.png")
+    page.goto("/envs/")
+    row = page.locator(f"#env-configs tr[data-config-id='{config_id}']")
+    expect(row).to_contain_text("max_turns=6")
+    lab["config_id"] = config_id
+
+
+def test_models_are_registered_through_the_form(page: Page, lab):
+    page.goto("/models/")
+    for name, kind, location in (
+        ("oracle", "builtin", "oracle"),
+        ("random", "builtin", "random"),
+        ("tiny", "tiny", ""),
+    ):
+        page.fill("#model-form [name=name]", name)
+        page.select_option("#model-form [name=kind]", kind)
+        page.fill("#model-form [name=location]", location)
+        page.click("#register-model")
+        expect(page.locator("#models")).to_contain_text(name)
+    rows = page.locator("#models tbody tr")
+    expect(rows).to_have_count(3)
+    oracle_row = rows.filter(has_text="oracle").first
+    lab["oracle_id"] = int(oracle_row.get_attribute("data-model-id"))
+    lab["random_id"] = int(rows.filter(has_text="random").first.get_attribute("data-model-id"))
+    screenshot(page, "models.png")
+
+
+def test_an_eval_job_streams_its_curves_until_it_succeeds(page: Page, lab, stack):
+    config_id, random_id = need(lab, "config_id"), need(lab, "random_id")
+    page.goto("/jobs/new/?kind=eval")
+    page.select_option("#id_env_config", str(config_id))
+    page.select_option("#id_model", str(random_id))
+    page.fill("#id_num_examples", str(EVAL_EXAMPLES))
+    page.fill("#id_rollouts_per_example", "1")
+    page.fill("#id_concurrency", "32")
+    baselines = page.locator("#id_baselines")
+    if baselines.is_checked():
+        baselines.uncheck()
+    screenshot(page, "new_job.png")
+    # What the page heard, to say why if it never shows the end of the job.
+    heard = []
+    page.on("console", lambda message: heard.append(f"console {message.type}: {message.text}"))
+    page.on("pageerror", lambda error: heard.append(f"page error: {error}"))
+    page.on(
+        "websocket",
+        lambda ws: ws.on("framereceived", lambda frame: heard.append(f"ws: {str(frame)[:90]}")),
+    )
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"/jobs/\d+/$"))
+    job_id = int(re.search(r"/jobs/(\d+)/", page.url).group(1))
+    lab["job_id"] = job_id
+
+    # Sample the page while the job runs: the plotted points must grow while the status
+    # still says running (the page reloads itself once the job is over).
+    samples, shot_taken = [], False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status = page.locator("#job-status").get_attribute("data-status", timeout=2000)
+            points = page.evaluate(REWARD_POINTS_JS)
+        except Exception:  # the page is reloading
+            continue
+        samples.append((status, points))
+        running = sorted({p for s, p in samples if s == "running" and p > 0})
+        if len(running) >= 2 and not shot_taken and status == "running":
+            screenshot(page, "job_live.png")
+            shot_taken = True
+        if status in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(0.1)
+    running = [p for s, p in samples if s == "running" and p > 0]
+    assert len(set(running)) >= 2 and running == sorted(running), (samples, stack.logs())
+    assert samples[-1][0] == "succeeded", (samples[-5:], heard[-30:], stack.logs())
+    expect(page.locator("#summary-rewards")).to_be_visible(timeout=20_000)
+    expect(page.locator("#summary-outcomes tr[data-outcome]").first).to_be_visible()
+    page.wait_for_function(f"({REWARD_POINTS_JS})() >= {max(running)}")
+    final_points = page.evaluate(REWARD_POINTS_JS)
+    [(stored,)] = stack.sql(
+        "select count(distinct step) from jobs_metric where job_id = %s and name = 'reward/mean'",
+        job_id,
+    )
+    assert final_points == stored >= 3
+    [(rollouts,)] = stack.sql("select count(*) from jobs_rollout where job_id = %s", job_id)
+    assert rollouts == EVAL_EXAMPLES
+    if not shot_taken:
+        screenshot(page, "job_live.png")
+
+
+def test_a_rollout_opens_in_the_inspector_with_its_conversation_and_board(page: Page, lab):
+    job_id = need(lab, "job_id")
+    page.goto(f"/jobs/{job_id}/")
+    page.click("#open-inspector")
+    rows = page.locator("table#rollouts tbody tr[data-rollout-id]")
+    expect(rows.first).to_be_visible()
+    screenshot(page, "inspector.png")
+    rollout_id = rows.first.get_attribute("data-rollout-id")
+    rows.first.locator(f"a[href$='/rollouts/{rollout_id}/']").click()
+    page.wait_for_url(re.compile(rf"/rollouts/{rollout_id}/$"))
+    conversation = page.locator("#conversation .conversation")
+    expect(conversation.locator("li[data-role=system]")).to_have_count(1)
+    expect(conversation.locator("li[data-role=assistant]").first).to_contain_text("<move>")
+    boards = page.locator("[data-testid=boards] .board-frame")
+    expect(boards.first).to_be_visible()
+    assert boards.count() >= 3  # the model and the opponent take turns
+    expect(page.locator("#reward-functions tbody tr").first).to_be_visible()
+    screenshot(page, "rollout.png")
+
+
+def test_runs_are_compared_on_one_chart(page: Page, lab):
+    job_id = need(lab, "job_id")
+    page.goto(f"/compare/?jobs={job_id}&metric=reward/mean")
+    page.wait_for_function(
+        "() => { const d = document.querySelector('#compare-chart .chart');"
+        " return d && d.data && d.data.length > 0 && d.data[0].x.length > 0; }"
+    )
+    expect(page.locator("#compare-title")).to_have_text("reward/mean")
+    screenshot(page, "compare.png")
+
+
+def _board(page: Page) -> list[str]:
+    return page.eval_on_selector_all("#board .cell", "cells => cells.map(c => c.dataset.mark)")
+
+
+def test_a_whole_game_against_the_oracle_by_clicking_cells(page: Page, lab, stack):
+    oracle_id = need(lab, "oracle_id")
+    page.goto("/play/")
+    page.select_option("#id_player", f"model-{oracle_id}")
+    page.check("input[name=human_mark][value=X]")
+    page.check("input[name=starts][value=human]")
+    page.click("#start-game")
+    page.wait_for_url(re.compile(r"/play/games/\d+/$"))
+    game_id = int(re.search(r"/games/(\d+)/", page.url).group(1))
+    status = page.locator("#game-status")
+    expect(status).to_have_attribute("data-status", "human_turn")
+    expect(page.locator("#live-state")).to_have_text("live")  # the game's websocket is open
+
+    for turn in range(5):
+        board = _board(page)
+        if turn == 1:
+            # A taken cell is refused by the server, with the reason on the page.
+            taken = next(i for i, mark in enumerate(board) if mark == "O")
+            page.click(f"[data-testid=cell-{taken}]")
+            expect(page.locator("#move-error")).to_contain_text(f"cell {taken} is taken by O")
+        cell = board.index(".")
+        page.click(f"[data-testid=cell-{cell}]")
+        expect(page.locator(f"[data-testid=cell-{cell}]")).to_have_attribute("data-mark", "X")
+        expect(page.locator("#move-error")).to_be_hidden()
+        # Wait for the model's reply (made by the worker, announced over the websocket).
+        page.wait_for_function(
+            "() => ['human_turn', 'finished'].includes("
+            "document.getElementById('game-status').dataset.status)",
+            timeout=30_000,
+        )
+        if status.get_attribute("data-status") == "finished":
+            break
+    expect(status).to_have_attribute("data-status", "finished")
+    outcome = status.get_attribute("data-outcome")
+    assert outcome in ("win", "draw"), f"the oracle lost: {_board(page)}"  # model's view
+
+    game = page.request.get(f"/play/api/games/{game_id}/").json()
+    moves = game["moves"]
+    replayed = ["."] * 9
+    for m in moves:
+        replayed[m["cell"]] = m["mark"]
+    assert _board(page) == game["board"] == replayed
+    [(db_moves, db_outcome, db_status)] = stack.sql(
+        "select session->'moves', outcome, status from play_game where id = %s", game_id
+    )
+    assert db_moves == moves and db_outcome == outcome and db_status == "finished"
+    model_moves = [m for m in moves if m["player"] == "model"]
+    expect(page.locator("#model-replies .reply.valid .think")).to_have_count(len(model_moves))
+    expect(page.locator("#move-list li")).to_have_count(len(moves))
+    expect(status).to_contain_text("oracle won." if outcome == "win" else "Draw.")
+    # The finished game replays move by move.
+    page.click("[data-replay=first]")
+    assert _board(page) == ["."] * 9
+    page.click("[data-replay=next]")
+    assert _board(page).count(".") == 8
+    page.click("[data-replay=last]")
+    assert _board(page) == replayed
+    screenshot(page, "play.png")
+
+    page.goto(f"/play/history/model-{oracle_id}/")
+    row = page.locator(f"#finished-games tr[data-game-id='{game_id}']")
+    expect(row).to_contain_text(outcome)
+    expect(page.locator(f"#record [data-count={outcome}]")).to_have_text("1")
+    screenshot(page, "play_history.png")
+    row.locator("a").click()
+    page.wait_for_url(re.compile(rf"/play/games/{game_id}/$"))
+
+
+def test_the_admin_lists_jobs_with_their_worker(browser, stack, lab):
+    job_id = need(lab, "job_id")
+    context = log_in(browser, stack, "admin", login_path="/admin/login/")
+    page = context.new_page()
+    page.goto("/admin/jobs/job/")
+    row = page.locator("#result_list tbody tr").filter(has_text=f"{job_id}")
+    expect(row.first).to_contain_text("succeeded")
+    expect(row.first).to_contain_text("browser-")
+    page.click("#toggle-nav-sidebar")  # room for the columns
+    expect(page.locator("#nav-sidebar")).to_be_hidden()
+    screenshot(page, "admin_jobs.png")
+    context.close()

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class PlayConfig(AppConfig):
+    name = "webapp.play"
+    label = "play"
+    verbose_name = "Play"
