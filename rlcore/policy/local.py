@@ -1,0 +1,444 @@
+"""The local transformers engine: any Hugging Face causal LM as a `Policy`, with concurrent
+requests batched into one generation.
+
+Rollouts call `await engine.generate(...)` many at a time. Each call renders its prompt
+with the model's chat template and queues it; a background task on the event loop takes
+everything queued (up to `max_batch_size`) and runs one batched generation on the engine's
+worker thread, so the loop keeps collecting the next batch meanwhile. The worker thread
+lives as long as the engine: on CUDA the first generation in any new thread pays about
+two seconds of per-thread set-up, which a thread per call (asyncio.to_thread under a new
+event loop each step) would pay every time. Temperature, top-p,
+max_tokens and seed are per row, so requests with different sampling settings still share
+a batch.
+
+Generation is a hand-written KV-cache sampling loop rather than `model.generate`: it drops
+finished rows from the batch as it goes and skips generate's per-step processor machinery,
+which dominates for small models on CPU (bench/local_engine.py measures both). It returns
+what a trainer needs: the exact prompt ids, the sampled ids including the final eos (so a
+policy learns to stop), and each sampled token's log-probability under the
+temperature-scaled distribution it was drawn from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlcore.policy.base import Policy, PolicyError
+from rlcore.types import Generation, Message, SamplingParams
+
+# A Hugging Face hub id: "name" or "owner/name", letters, digits, dots, dashes, underscores.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    future: asyncio.Future
+
+
+class _LoopQueue:
+    """Requests waiting on one event loop, and the task that drains them."""
+
+    def __init__(self) -> None:
+        self.pending: list[_Request] = []
+        self.drainer: asyncio.Task | None = None
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; checks explicit names."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" or re.fullmatch(r"cuda(:\d+)?", device or ""):
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise PolicyError(f"device {device!r} requested but no CUDA GPU is visible; use 'cpu'")
+        return device
+    raise PolicyError(f"unknown device {device!r}; accepted: auto, cpu, cuda, cuda:N")
+
+
+def _load_pretrained(path: str, device: str):
+    """Model and tokenizer from a local directory or hub id, or a PolicyError saying why not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    location = Path(path).expanduser()
+    if location.exists():
+        if not (location / "config.json").is_file():
+            raise PolicyError(
+                f"model path {str(location)!r} is not a Hugging Face model directory (no "
+                "config.json); accepted: a directory written by save_pretrained, a hub id, "
+                "or 'tiny'"
+            )
+        source = str(location)
+    elif _HUB_ID.match(path):
+        source = path
+    else:
+        raise PolicyError(
+            f"model path {path!r} does not exist; accepted: a Hugging Face model directory, "
+            "a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct', or 'tiny'"
+        )
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise PolicyError(f"could not load model {path!r}: {type(exc).__name__}: {exc}") from exc
+    return model.to(device), tokenizer
+
+
+class LocalEngine(Policy):
+    """A transformers causal LM that batches concurrent `generate` calls.
+
+    Give `path` (a model directory or hub id) or the live `model` and `tokenizer` objects
+    (the RL trainer shares its model so rollouts always sample the current weights).
+    `batches_run`, `requests_served` and `tokens_generated` count the work done.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        device: str = "auto",
+        name: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        max_batch_size: int = 64,
+    ):
+        if max_batch_size < 1:
+            raise PolicyError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if model is not None or tokenizer is not None:
+            if model is None or tokenizer is None:
+                raise PolicyError("pass both model= and tokenizer= (or a path), not only one")
+            self.model, self.tokenizer = model, tokenizer
+            # A shared model stays where its owner put it unless a device is named.
+            self.device = (
+                str(next(model.parameters()).device) if device == "auto" else resolve_device(device)
+            )
+            if device != "auto":
+                self.model.to(self.device)
+        elif path is None:
+            raise PolicyError("LocalEngine needs a model path or hub id, or model= and tokenizer=")
+        else:
+            self.device = resolve_device(device)
+            self.model, self.tokenizer = _load_pretrained(path, self.device)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PolicyError(
+                f"the tokenizer of {path or 'the given model'!r} has no chat template; accepted: "
+                "a chat/instruct checkpoint whose tokenizer_config.json has chat_template"
+            )
+        self.name = name or (Path(path).name if path else None) or "local"
+        self.path = path
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = self._stop_token_ids()
+        self.pad_token_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else min(self.eos_token_ids)
+        )
+        self.context_length = getattr(self.model.config, "max_position_embeddings", None)
+        # transformers 5 renamed the forward argument `past_key_values` to `cache`.
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward_params else "past_key_values"
+        self._generation_lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
+        self.batches_run = 0
+        self.requests_served = 0
+        self.tokens_generated = 0
+
+    async def aclose(self) -> None:
+        """Stop the worker thread (a later `generate` starts a new one); the model stays."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
+
+    def _stop_token_ids(self) -> set[int]:
+        """Every id that ends a reply: the tokenizer's eos, the generation config's eos
+        (Qwen's lists two), and <|im_end|> when the vocabulary has it (ChatML turns end there)."""
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        generation_config = getattr(self.model, "generation_config", None)
+        configured = getattr(generation_config, "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured:
+            ids.update(int(i) for i in configured)
+        im_end = self.tokenizer.get_vocab().get("<|im_end|>")
+        if im_end is not None:
+            ids.add(int(im_end))
+        if not ids:
+            raise PolicyError(
+                f"model {self.name!r} has no eos token; cannot tell where a reply ends"
+            )
+        return ids
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The ids the model is conditioned on: the chat template with a generation prompt."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja raises many kinds; the caller needs the message
+            raise PolicyError(
+                f"chat template of {self.name!r} failed on these messages: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        if not sampling.temperature >= 0:
+            raise PolicyError(f"temperature must be >= 0 (0 = greedy), got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise PolicyError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.max_tokens < 1:
+            raise PolicyError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+
+    # -- the asyncio side ------------------------------------------------------------------
+    async def generate(
+        self,
+        messages: list[Message],
+        sampling: SamplingParams,
+        *,
+        tools: list[dict] | None = None,
+        state: dict | None = None,
+    ) -> Generation:
+        self._check_sampling(sampling)
+        prompt_ids = self.encode_prompt(messages, tools)
+        max_new_tokens = sampling.max_tokens
+        if self.context_length:
+            room = self.context_length - len(prompt_ids)
+            if room < 1:
+                raise PolicyError(
+                    f"prompt is {len(prompt_ids)} tokens but {self.name!r} has a context of "
+                    f"{self.context_length}; shorten the conversation or use a longer-context model"
+                )
+            max_new_tokens = min(max_new_tokens, room)
+        loop = asyncio.get_running_loop()
+        request = _Request(prompt_ids, sampling, max_new_tokens, loop.create_future())
+        queue = self._queues.setdefault(loop, _LoopQueue())
+        queue.pending.append(request)
+        if queue.drainer is None or queue.drainer.done():
+            queue.drainer = loop.create_task(self._drain(loop, queue))
+        return await request.future
+
+    async def _drain(self, loop: asyncio.AbstractEventLoop, queue: _LoopQueue) -> None:
+        """Run batches until nothing is queued on this loop."""
+        try:
+            while queue.pending:
+                await self._let_arrivals_gather(queue)
+                batch = [r for r in queue.pending[: self.max_batch_size] if not r.future.done()]
+                del queue.pending[: self.max_batch_size]
+                if not batch:
+                    continue
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
+                try:
+                    generations = await loop.run_in_executor(
+                        self._worker, self.generate_batch, batch
+                    )
+                except Exception as exc:  # every caller in the batch must hear about it
+                    error = (
+                        exc
+                        if isinstance(exc, PolicyError)
+                        else PolicyError(
+                            f"local engine {self.name!r} failed on a batch of {len(batch)}: "
+                            f"{type(exc).__name__}: {exc}"
+                        )
+                    )
+                    for request in batch:
+                        if not request.future.done():
+                            request.future.set_exception(error)
+                    continue
+                for request, generation in zip(batch, generations, strict=True):
+                    if not request.future.done():
+                        request.future.set_result(generation)
+        finally:
+            if not queue.pending:
+                self._queues.pop(loop, None)
+
+    @staticmethod
+    async def _let_arrivals_gather(queue: _LoopQueue) -> None:
+        """Yield to the loop until no new request arrives in a round: rollouts started
+        together (or woken together by the previous batch) all join this batch."""
+        for _ in range(8):
+            waiting = len(queue.pending)
+            await asyncio.sleep(0)
+            if len(queue.pending) == waiting:
+                return
+
+    # -- the torch side --------------------------------------------------------------------
+    def generate_batch(self, requests: list[_Request]) -> list[Generation]:
+        """One batched generation (blocking; runs on the worker thread). One at a time: the
+        model and its memory are shared with whoever else holds this engine."""
+        import torch
+
+        with self._generation_lock:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    completions = self._sample(requests)
+            finally:
+                self.model.train(was_training)
+            self.batches_run += 1
+            self.requests_served += len(requests)
+            self.tokens_generated += sum(len(ids) for ids, _, _ in completions)
+        generations = []
+        for request, (completion_ids, logprobs, finish_reason) in zip(
+            requests, completions, strict=True
+        ):
+            generations.append(
+                Generation(
+                    text=self.tokenizer.decode(completion_ids, skip_special_tokens=True),
+                    finish_reason=finish_reason,
+                    prompt_ids=list(request.prompt_ids),
+                    completion_ids=completion_ids,
+                    logprobs=logprobs,
+                    prompt_tokens=len(request.prompt_ids),
+                    completion_tokens=len(completion_ids),
+                )
+            )
+        return generations
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_argument: cache},
+        )
+        return output.logits[:, -1, :].float()
+
+    def _sample(self, requests: list[_Request]) -> list[tuple[list[int], list[float], str]]:
+        """The KV-cache sampling loop over a left-padded batch; finished rows leave the batch."""
+        import torch
+        from transformers import DynamicCache
+
+        device = self.device
+        batch_size = len(requests)
+        longest = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((batch_size, longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch_size, longest), dtype=torch.long)
+        for row, request in enumerate(requests):
+            length = len(request.prompt_ids)
+            input_ids[row, longest - length :] = torch.tensor(request.prompt_ids)
+            attention_mask[row, longest - length :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        temperature = torch.tensor([r.sampling.temperature for r in requests], device=device)
+        # No nucleus work (a sort per step) unless some request asks for it.
+        top_p = (
+            torch.tensor([r.sampling.top_p for r in requests], device=device)
+            if any(r.sampling.top_p < 1 for r in requests)
+            else None
+        )
+        generators = [self._row_generator(r.sampling.seed) for r in requests]
+        eos = torch.tensor(sorted(self.eos_token_ids), device=device)
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        next_position = position_ids[:, -1:] + 1
+        rows = list(range(batch_size))  # batch row -> request index
+        finished = [False] * batch_size
+        sampled: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str] = ["length"] * batch_size
+        while True:
+            tokens, token_logprobs = sample_tokens(
+                logits, temperature, top_p, [generators[i] for i in rows]
+            )
+            # One device-to-host copy per step: on a GPU every sync costs a round trip.
+            step = torch.stack(
+                [tokens.double(), token_logprobs.double(), torch.isin(tokens, eos).double()]
+            ).tolist()
+            for request_index, token, logprob, stopped in zip(rows, *step, strict=True):
+                if finished[request_index]:
+                    continue
+                sampled[request_index].append(int(token))
+                logprobs[request_index].append(logprob)
+                if stopped:
+                    finish[request_index] = "stop"
+                    finished[request_index] = True
+                elif len(sampled[request_index]) >= requests[request_index].max_new_tokens:
+                    finished[request_index] = True
+            keep = [batch_row for batch_row, i in enumerate(rows) if not finished[i]]
+            if not keep:
+                break
+            # Dropping rows copies the whole cache, so finished rows ride along (their samples
+            # ignored) until they are a quarter of the batch.
+            if len(rows) - len(keep) >= max(1, len(rows) // 4):
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                tokens, attention_mask, next_position = (
+                    tokens[index],
+                    attention_mask[index],
+                    next_position[index],
+                )
+                temperature = temperature[index]
+                top_p = top_p[index] if top_p is not None else None
+                rows = [rows[batch_row] for batch_row in keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], 1)
+            logits = self._forward(tokens[:, None], attention_mask, next_position, cache)
+            next_position = next_position + 1
+        return [(sampled[i], logprobs[i], finish[i]) for i in range(batch_size)]
+
+    def _row_generator(self, seed: int | None):
+        """A private generator for a seeded request, so its draws do not depend on which
+        other requests share its batch; unseeded rows use torch's global generator."""
+        import torch
+
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(int(seed))
+        return generator
+
+
+def sample_tokens(logits, temperature, top_p, generators):
+    """One token per row and its log-probability.
+
+    Rows with temperature 0 take the argmax and report the log-softmax of the raw logits;
+    the others sample from softmax(logits / temperature) restricted to the top-p nucleus and
+    report the log-softmax of the temperature-scaled logits (before the nucleus cut, as
+    vLLM does), which is what a trainer's forward pass recomputes. `top_p` None means no
+    row uses a nucleus; a generator per row (None: torch's global one) draws its uniform.
+    """
+    import torch
+
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled_logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+    probabilities = scaled_logprobs.exp()
+    if top_p is not None:
+        probabilities, order = probabilities.sort(dim=-1, descending=True)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        outside = (probabilities.cumsum(dim=-1) - probabilities) >= top_p[:, None]
+        probabilities = probabilities.masked_fill(outside, 0.0)
+    else:
+        order = None
+    uniforms = torch.rand(len(generators), device=logits.device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[row] = torch.rand(1, generator=generator, device=logits.device)[0]
+    cumulative = probabilities.cumsum(dim=-1)
+    targets = uniforms * cumulative[:, -1]
+    choice = torch.searchsorted(cumulative, targets[:, None], right=True).clamp(
+        max=logits.shape[-1] - 1
+    )
+    sampled = order.gather(1, choice) if order is not None else choice
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled[:, 0])
+    return tokens, scaled_logprobs.gather(1, tokens[:, None])[:, 0]

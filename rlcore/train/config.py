@@ -1,0 +1,461 @@
+"""Run configurations for data generation, supervised fine-tuning and RL.
+
+Each config is a dataclass with one docstring per field (CleanRL's `Args` style), loaded
+from a TOML file plus `key=value` overrides by `load_config`. Overrides are parsed as JSON
+when they parse (`lr=3e-4`, `exclude_outcomes=["loss"]`, `resume_from=null`) and kept as
+text otherwise; a dotted key reaches into a table (`env_args.max_turns=6`). Unknown keys
+and values of the wrong type are errors that name the key, where it came from and what is
+accepted. Every run writes its resolved config (`to_dict()`) as `config.json` beside its
+outputs, so a job's settings travel with its results.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import textwrap
+import tomllib
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+DEVICES = ("auto", "cpu", "cuda")
+LOSS_TYPES = ("grpo", "cispo", "dr_grpo")
+LR_SCHEDULES = ("cosine", "constant")
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; the message says what would be accepted."""
+
+
+@dataclass
+class SynthConfig:
+    """Generate an SFT dataset: play a teacher through an environment and keep the good
+    rollouts."""
+
+    env: str = "tictactoe"
+    """environment name (see `python -m rlcore envs`)"""
+    env_args: dict = field(default_factory=dict)
+    """environment parameters, validated by the environment's schema"""
+    model: str = "random"
+    """teacher: an env built-in (`random`, `oracle`), `tiny`, a checkpoint dir, a hub id,
+    or a served model name when `base_url` is set"""
+    base_url: str | None = None
+    """OpenAI-compatible endpoint for the teacher (vLLM, OpenAI, `rlcore serve`)"""
+    api_key_env: str = "OPENAI_API_KEY"
+    """environment variable holding the endpoint's API key"""
+    num_examples: int = 200
+    """how many examples to draw from the environment at most"""
+    rollouts_per_example: int = 1
+    """rollouts of each example (more gives more distinct kept conversations)"""
+    max_kept: int | None = None
+    """stop once this many rollouts passed the filters (None: play every example)"""
+    temperature: float = 1.0
+    """teacher sampling temperature (model teachers only)"""
+    top_p: float = 1.0
+    """teacher nucleus sampling (model teachers only)"""
+    max_tokens: int = 256
+    """teacher reply length limit per turn, in tokens"""
+    concurrency: int = 32
+    """rollouts in flight at once"""
+    exclude_outcomes: list[str] = field(default_factory=list)
+    """drop rollouts whose outcome label is one of these (e.g. ["loss", "unfinished"])"""
+    min_reward: float | None = None
+    """drop rollouts whose total reward is below this"""
+    require_format: bool = False
+    """drop rollouts whose `format` reward is not 1 (every assistant turn well formed)"""
+    max_invalid_moves: int | None = None
+    """drop rollouts whose final state counts more invalid moves than this"""
+    output_dir: str = "runs/synth"
+    """where the dataset (`dataset.jsonl`), its stats and config.json go"""
+    seed: int = 0
+    """seed of the environment's examples and of the teacher's sampling"""
+    device: str = "auto"
+    """device for a local model teacher: auto, cpu or cuda"""
+
+    def validate(self) -> None:
+        errors = _common_errors(self)
+        _check_positive(errors, self, "num_examples", "rollouts_per_example", "max_tokens")
+        _check_positive(errors, self, "concurrency")
+        if self.max_kept is not None and self.max_kept < 1:
+            errors.append(f"max_kept must be at least 1 or null, got {self.max_kept!r}")
+        if self.max_invalid_moves is not None and self.max_invalid_moves < 0:
+            errors.append(f"max_invalid_moves must be >= 0 or null, got {self.max_invalid_moves!r}")
+        if self.temperature < 0:
+            errors.append(f"temperature must be >= 0, got {self.temperature!r}")
+        _raise(self, errors)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning of a causal LM on a JSONL conversation dataset, with the loss
+    on assistant tokens only."""
+
+    model: str = "tiny"
+    """`tiny` (the built-in tiny model), a checkpoint directory, or a Hugging Face hub id"""
+    dataset: str = "runs/synth/dataset.jsonl"
+    """JSONL file, one {"messages": [...]} conversation per line (as `synth` writes)"""
+    output_dir: str = "runs/sft"
+    """where checkpoints (`step_NNNNNN/`, `final/`) and config.json go"""
+    seed: int = 0
+    """seed of initialisation-free randomness: data order and torch"""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda"""
+    epochs: int = 1
+    """passes over the dataset (ignored when max_steps is set)"""
+    max_steps: int | None = None
+    """optimizer steps to take; overrides epochs"""
+    batch_size: int = 16
+    """conversations per optimizer step"""
+    micro_batch_size: int = 8
+    """conversations per forward pass; gradients accumulate over batch_size / this"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW)"""
+    lr_schedule: str = "cosine"
+    """decay after warm-up: cosine (to min_lr_ratio * lr) or constant"""
+    warmup_steps: int = 0
+    """steps of linear warm-up from 0 to lr"""
+    min_lr_ratio: float = 0.1
+    """final learning rate of the cosine decay, as a fraction of lr"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this (0: no clipping)"""
+    max_seq_len: int = 1024
+    """truncate longer conversations to this many tokens (truncations are counted)"""
+    save_every: int = 0
+    """save a checkpoint every this many steps (0: only the final one)"""
+
+    def validate(self) -> None:
+        errors = _common_errors(self)
+        _check_positive(errors, self, "epochs", "batch_size", "micro_batch_size", "max_seq_len")
+        _check_optimizer(errors, self)
+        if self.max_steps is not None and self.max_steps < 1:
+            errors.append(f"max_steps must be at least 1 or null, got {self.max_steps!r}")
+        if self.micro_batch_size > self.batch_size:
+            errors.append(
+                f"micro_batch_size ({self.micro_batch_size}) must not exceed "
+                f"batch_size ({self.batch_size})"
+            )
+        _raise(self, errors)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RLConfig:
+    """On-policy RL (GRPO family) of a local model on a multi-turn environment."""
+
+    model: str = "tiny"
+    """starting policy: `tiny`, a checkpoint directory (e.g. the SFT run's final/), or a hub id"""
+    env: str = "tictactoe"
+    """environment name"""
+    env_args: dict = field(default_factory=dict)
+    """environment parameters (max_turns, opponent strength range, num_groups, ...)"""
+    output_dir: str = "runs/rl"
+    """where checkpoints (`step_NNNNNN/`, `final/`) and config.json go"""
+    seed: int = 0
+    """seed of the example stream, sampling and torch"""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda"""
+    max_steps: int = 100
+    """optimizer steps (one batch of rollouts each)"""
+    batch_size: int = 32
+    """rollouts per step; batch_size / rollouts_per_example examples are drawn"""
+    rollouts_per_example: int = 8
+    """group size: rollouts of one example whose rewards are compared for advantages"""
+    loss_type: str = "grpo"
+    """grpo (clipped ratio, token-level mean), cispo (clipped stop-gradient importance
+    weight times logprob), dr_grpo (clipped ratio, sum / (max_tokens * sequences))"""
+    scale_rewards: bool = False
+    """divide advantages by the group's reward std (original GRPO); not with dr_grpo"""
+    clip_eps_low: float = 0.2
+    """lower ratio clip: ratios below 1 - this stop pushing (grpo, dr_grpo)"""
+    clip_eps_high: float = 0.28
+    """upper ratio clip 1 + this (grpo, dr_grpo); for cispo the importance weight cap"""
+    beta: float = 0.0
+    """weight of the k3 KL penalty to the frozen starting model (0: no reference model)"""
+    num_iterations: int = 1
+    """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
+    micro_batch_size: int = 8
+    """training sequences per forward pass (sorted by length to waste little padding)"""
+    lr: float = 1e-5
+    """peak learning rate (AdamW)"""
+    lr_schedule: str = "constant"
+    """decay after warm-up: cosine (to min_lr_ratio * lr) or constant"""
+    warmup_steps: int = 0
+    """optimizer updates of linear warm-up from 0 to lr"""
+    min_lr_ratio: float = 0.1
+    """final learning rate of the cosine decay, as a fraction of lr"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this (0: no clipping)"""
+    temperature: float = 1.0
+    """sampling temperature; training logprobs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling during rollouts (1.0 keeps sampling on-policy)"""
+    max_tokens: int = 128
+    """reply length limit per turn, in tokens (also the dr_grpo length constant)"""
+    concurrency: int = 256
+    """rollouts in flight at once (the local engine batches them)"""
+    save_every: int = 0
+    """save a checkpoint every this many steps (0: only the final one)"""
+    resume_from: str | None = None
+    """a checkpoint directory of an earlier run of this config to continue from"""
+    log_rollouts: int = 8
+    """rollouts sent to the sink per step, spread over groups (0: none)"""
+
+    def validate(self) -> None:
+        errors = _common_errors(self)
+        _check_positive(errors, self, "max_steps", "batch_size")
+        _check_positive(errors, self, "num_iterations", "micro_batch_size", "max_tokens")
+        _check_positive(errors, self, "concurrency")
+        _check_optimizer(errors, self)
+        if self.rollouts_per_example < 2:
+            errors.append(
+                f"rollouts_per_example must be at least 2 (advantages compare rollouts of "
+                f"one example), got {self.rollouts_per_example!r}"
+            )
+        elif self.batch_size % self.rollouts_per_example:
+            errors.append(
+                f"batch_size ({self.batch_size}) must be a multiple of "
+                f"rollouts_per_example ({self.rollouts_per_example})"
+            )
+        if self.loss_type not in LOSS_TYPES:
+            errors.append(f"loss_type must be one of {list(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.loss_type == "dr_grpo" and self.scale_rewards:
+            errors.append("scale_rewards=true contradicts loss_type='dr_grpo' (no std scaling)")
+        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
+            errors.append(
+                f"clip_eps_low and clip_eps_high must be >= 0, got "
+                f"{self.clip_eps_low!r} and {self.clip_eps_high!r}"
+            )
+        if self.beta < 0:
+            errors.append(f"beta must be >= 0, got {self.beta!r}")
+        if self.temperature <= 0:
+            errors.append(f"temperature must be > 0 for training, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.log_rollouts < 0:
+            errors.append(f"log_rollouts must be >= 0, got {self.log_rollouts!r}")
+        _raise(self, errors)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation helpers
+
+
+def _common_errors(cfg) -> list[str]:
+    errors = []
+    if cfg.device not in DEVICES:
+        errors.append(f"device must be one of {list(DEVICES)}, got {cfg.device!r}")
+    if not str(cfg.output_dir).strip():
+        errors.append("output_dir must not be empty")
+    return errors
+
+
+def _check_positive(errors: list[str], cfg, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 1:
+            errors.append(f"{name} must be at least 1, got {value!r}")
+
+
+def _check_optimizer(errors: list[str], cfg) -> None:
+    if cfg.lr <= 0:
+        errors.append(f"lr must be > 0, got {cfg.lr!r}")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        errors.append(f"lr_schedule must be one of {list(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
+    if cfg.warmup_steps < 0:
+        errors.append(f"warmup_steps must be >= 0, got {cfg.warmup_steps!r}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        errors.append(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio!r}")
+    if cfg.max_grad_norm < 0:
+        errors.append(f"max_grad_norm must be >= 0, got {cfg.max_grad_norm!r}")
+    if cfg.save_every < 0:
+        errors.append(f"save_every must be >= 0, got {cfg.save_every!r}")
+
+
+def _raise(cfg, errors: list[str]) -> None:
+    if errors:
+        raise ConfigError(f"{type(cfg).__name__}: " + "; ".join(errors))
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+ConfigT = TypeVar("ConfigT")
+
+
+def load_config(
+    cls: type[ConfigT], toml_path: str | Path | None = None, overrides: list[str] | None = None
+) -> ConfigT:
+    """A validated `cls` from a TOML file (optional) with `key=value` overrides on top.
+
+    Works for any config dataclass (also `rlcore.evaluate.EvalConfig`); `validate()` runs
+    when the class has one."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        sources = {key: f"{path}" for key in values}
+    for override in overrides or []:
+        key, value = _parse_override(override)
+        head, _, rest = key.partition(".")
+        if rest:
+            table = values.setdefault(head, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override {override!r}: {head!r} is not a table")
+            table[rest] = value
+        else:
+            values[key] = value
+        sources[head] = f"override {override!r}"
+
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in fields(cls)]
+    unknown = [key for key in values if key not in hints]
+    if unknown:
+        raise ConfigError(
+            f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))} "
+            f"(from {', '.join(sorted({sources.get(k, '?') for k in unknown}))}); "
+            f"valid keys: {', '.join(valid)}"
+        )
+    kwargs = {
+        key: _coerce(value, hints[key], f"{cls.__name__}.{key} (from {sources.get(key, '?')})")
+        for key, value in values.items()
+    }
+    try:
+        cfg = cls(**kwargs)
+    except TypeError as exc:  # a required field (EvalConfig's env, model) was not given
+        raise ConfigError(f"{cls.__name__}: {exc}; valid keys: {', '.join(valid)}") from None
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """`value` as `annotation` (int, float, bool, str, list[str], dict, or X | None)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _coerce(value, inner, where)
+    if value is None:
+        raise ConfigError(f"{where}: must not be null")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # `model=123` is a name that happens to look like a number
+        raise ConfigError(f"{where}: expected text, got {value!r}")
+    if annotation is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{where}: expected a table of key = value, got {value!r}")
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(item, item_type, where) for item in value]
+    raise ConfigError(f"{where}: unsupported field type {annotation!r}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it), for help texts and forms."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def config_schema(cls: type) -> list[dict]:
+    """Name, type, default and help of every field, in declaration order."""
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in fields(cls):
+        if f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        rows.append(
+            {
+                "name": f.name,
+                "type": _type_name(hints[f.name]),
+                "default": default,
+                "help": docs.get(f.name, ""),
+            }
+        )
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def save_config(cfg, output_dir: str | Path, name: str = "config.json") -> Path:
+    """Write the resolved config as JSON into `output_dir` (created) and return the path."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return path

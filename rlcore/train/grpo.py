@@ -1,0 +1,548 @@
+"""On-policy RL of a local model on a multi-turn environment: the GRPO family.
+
+One step, as `run_rl` does it from top to bottom:
+1. draw `batch_size / rollouts_per_example` fresh examples, an even mix of the env's
+   groups (`StratifiedSampler`);
+2. play `rollouts_per_example` rollouts of each with a `LocalEngine` that shares the
+   training model, so rollouts always sample the current weights;
+3. score them (the env's rubric already did: `rollout.reward`) and turn rewards into
+   group advantages, reward minus the mean of its group (`group_advantages`);
+4. build training sequences from each rollout's turns, with the token ids straight from
+   generation, never re-tokenized text (`build_sequences`): the loss mask is 1 exactly on
+   sampled tokens;
+5. recompute the old logprobs with a no-grad forward pass (and the reference model's, for
+   the KL term), then take `num_iterations` optimizer updates on the masked loss
+   (`policy_loss`: grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
+6. log metrics and sample rollouts to the sink, save a checkpoint when due.
+
+Checkpoints hold everything a resumed run needs to continue exactly where this one was:
+model and tokenizer, optimizer and scheduler state, the step, the example stream and the
+python/numpy/torch random states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlcore.envs.registry import load_environment
+from rlcore.evaluate import summarize, summary_metrics
+from rlcore.events import EventSink, NullSink
+from rlcore.policy.local import LocalEngine
+from rlcore.rollout import run_rollouts
+from rlcore.train.config import RLConfig, save_config
+from rlcore.train.sampling import StratifiedSampler
+from rlcore.train.sft import (
+    autocast,
+    build_optimizer,
+    checkpoint_dir,
+    clip_gradients,
+    load_model_and_tokenizer,
+    pad_batch,
+    resolve_device,
+    save_checkpoint,
+    seed_everything,
+)
+from rlcore.types import Rollout, SamplingParams
+
+TRAINER_STATE = "trainer_state.pt"
+# Config fields a resumed run may change without changing what it computes.
+RESUMABLE_CHANGES = {
+    "resume_from",
+    "max_steps",
+    "output_dir",
+    "save_every",
+    "device",
+    "log_rollouts",
+}
+
+# ---------------------------------------------------------------------------------------
+# Advantages, sequences and the loss: pure functions, tested directly
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> torch.Tensor:
+    """Each reward minus the mean of its group of `group_size` adjacent rewards; with
+    `scale`, divided by the group's standard deviation too (original GRPO). A group whose
+    rewards are all equal gets advantage 0 either way: it carries no learning signal."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    groups = rewards.view(-1, group_size)
+    advantages = groups - groups.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (groups.std(dim=1, keepdim=True) + 1e-4)
+    return advantages.flatten()
+
+
+def build_sequences(
+    rollout: Rollout, *, with_logprobs: bool = False
+) -> list[tuple[list[int], list[int]]] | list[tuple[list[int], list[int], list[float] | None]]:
+    """Training sequences (input_ids, loss_mask) of one rollout, from its turns' token ids.
+
+    Turn k+1 joins the current sequence when its prompt starts with that sequence (prompt
+    and completion so far): only the new tokens, the env's reply and the next assistant
+    header, are appended with mask 0, then the completion with mask 1. Otherwise (the chat
+    template re-rendered history differently, say) turn k+1 starts a new sequence. With
+    `with_logprobs` each tuple also holds the generation-time logprob of every token (0 off
+    the mask), or None when the backend gave none.
+    """
+    sequences: list[tuple[list[int], list[int], list[float] | None]] = []
+    for turn in rollout.turns:
+        if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
+            input_ids, loss_mask, logprobs = sequences[-1]
+            new_prompt = turn.prompt_ids[len(input_ids) :]
+        else:
+            input_ids, loss_mask, logprobs = [], [], []
+            sequences.append((input_ids, loss_mask, logprobs))
+            new_prompt = turn.prompt_ids
+        input_ids.extend(new_prompt)
+        loss_mask.extend([0] * len(new_prompt))
+        input_ids.extend(turn.completion_ids)
+        loss_mask.extend([1] * len(turn.completion_ids))
+        if logprobs is not None:
+            logprobs.extend([0.0] * len(new_prompt))
+            logprobs.extend(turn.logprobs or [])
+            if turn.logprobs is None:
+                sequences[-1] = (input_ids, loss_mask, None)
+    if with_logprobs:
+        return sequences
+    return [(input_ids, loss_mask) for input_ids, loss_mask, _ in sequences]
+
+
+def loss_normalizer(completion_tokens: int, num_sequences: int, cfg: RLConfig) -> float:
+    """What the summed per-token loss of a whole batch is divided by: the number of
+    completion tokens (grpo, cispo: a token-level mean), or the constant
+    max_tokens * num_sequences (dr_grpo: no length bias)."""
+    if cfg.loss_type == "dr_grpo":
+        return float(cfg.max_tokens * num_sequences)
+    return float(completion_tokens)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: RLConfig,
+    *,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The masked loss of `cfg.loss_type` on per-token logprobs of shape [sequences, tokens].
+
+    grpo, dr_grpo: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) per token.
+    cispo: -stopgrad(min(ratio, 1 + eps_high)) * A * logprob per token, so every token
+    keeps a gradient, however far its ratio moved. The sum over masked tokens is divided by
+    `normalizer` (default: this batch's `loss_normalizer`); pass the whole batch's value
+    when this is one micro-batch of it, so accumulated gradients equal the full batch's.
+    With `cfg.beta` > 0 the k3 estimate of KL(policy || reference) per token, normalized
+    the same way, is added times beta. Stats: `loss/policy`, `loss/kl` (mean per token),
+    `policy/clip_fraction` (share of tokens whose clip was active), `tokens`.
+    """
+    mask = mask.to(logprobs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    if normalizer is None:
+        normalizer = loss_normalizer(int(mask.sum()), logprobs.shape[0], cfg)
+    normalizer = max(float(normalizer), 1e-8)
+    ratio = torch.exp(logprobs - old_logprobs)
+    if cfg.loss_type == "cispo":
+        weight = ratio.clamp(max=1 + cfg.clip_eps_high).detach()
+        per_token = -weight * advantages * logprobs
+        clipped = ratio > 1 + cfg.clip_eps_high
+    elif cfg.loss_type in ("grpo", "dr_grpo"):
+        unclipped = ratio * advantages
+        clipped_objective = ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high) * advantages
+        per_token = -torch.minimum(unclipped, clipped_objective)
+        clipped = clipped_objective < unclipped
+    else:
+        raise ValueError(f"loss_type must be one of grpo, cispo, dr_grpo; got {cfg.loss_type!r}")
+    policy = (per_token * mask).sum() / normalizer
+    tokens = float(mask.sum())
+    kl_mean = 0.0
+    loss = policy
+    if ref_logprobs is not None and cfg.beta > 0:
+        log_ratio_ref = ref_logprobs - logprobs
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased, always >= 0
+        loss = policy + cfg.beta * (kl * mask).sum() / normalizer
+        kl_mean = float((kl * mask).sum().detach()) / max(tokens, 1.0)
+    stats = {
+        "loss/policy": float(policy.detach()),
+        "loss/kl": kl_mean,
+        "policy/clip_fraction": float((clipped.to(mask.dtype) * mask).sum()) / max(tokens, 1.0),
+        "tokens": tokens,
+    }
+    return loss, stats
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
+    (the distribution the engine sampled from), and optionally its entropy. Gathering
+    minus logsumexp avoids a second vocabulary-sized tensor for the log-softmax."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logits = logits.float() / temperature
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_normalizer
+    entropy = None
+    if with_entropy:
+        entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+# ---------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclass
+class TrainingSequence:
+    """One training sequence and what the loss needs about it."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    advantage: float
+    sampled_logprobs: list[float] | None  # at generation time, per token (0 off the mask)
+    old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
+    ref_logprobs: torch.Tensor | None = None
+
+
+def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[TrainingSequence]]:
+    """Chunks of `size` sequences of similar length, so little compute goes to padding."""
+    ordered = sorted(sequences, key=lambda s: len(s.input_ids))
+    return [ordered[start : start + size] for start in range(0, len(ordered), size)]
+
+
+def collate(chunk: list[TrainingSequence], pad_id: int, device: torch.device):
+    """Right-padded input ids, attention mask and the loss mask aligned with the targets."""
+    input_ids = pad_batch([s.input_ids for s in chunk], pad_id).to(device)
+    attention_mask = pad_batch([[1] * len(s.input_ids) for s in chunk], 0).to(device)
+    loss_mask = pad_batch([s.loss_mask for s in chunk], 0)[:, 1:].to(device)
+    return input_ids, attention_mask, loss_mask
+
+
+def padded(tensors: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    rows = [torch.nn.functional.pad(t, (0, width - t.numel())) for t in tensors]
+    return torch.stack(rows).to(device)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def random_states() -> dict:
+    states = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_random_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_training_checkpoint(path, *, step, model, tokenizer, cfg, optimizer, scheduler, sampler):
+    save_checkpoint(model, tokenizer, cfg, path)
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "sampler": sampler.state_dict(),
+        "random": random_states(),
+    }
+    torch.save(state, Path(path) / TRAINER_STATE)
+    return str(path)
+
+
+def load_trainer_state(path: str | Path, cfg: RLConfig) -> tuple[dict, list[str]]:
+    """The trainer state of checkpoint `path`, and the config fields that differ from it."""
+    path = Path(path)
+    state_path = path / TRAINER_STATE
+    if not state_path.is_file():
+        raise ValueError(
+            f"resume_from={str(path)!r} is not an RL checkpoint (no {TRAINER_STATE}); "
+            "accepted: a step_NNNNNN/ or final/ directory written by an RL run"
+        )
+    # Our own file, holding python and numpy random states that weights_only cannot load.
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    saved_config = json.loads((path / "train_config.json").read_text())
+    current = cfg.to_dict()
+    changed = sorted(
+        key
+        for key in current
+        if key not in RESUMABLE_CHANGES and saved_config.get(key) != current[key]
+    )
+    return state, changed
+
+
+# ---------------------------------------------------------------------------------------
+# The two passes over a batch of sequences
+
+
+@torch.no_grad()
+def score_sequences(model, reference, sequences, cfg: RLConfig, pad_id: int, device) -> dict:
+    """Fill each sequence's old (and reference) logprobs with one no-grad pass of the
+    current weights; return the mean entropy of the completion tokens and the mean
+    absolute gap to the logprobs the engine sampled with (policy/logprob_mismatch)."""
+    entropy_sum, completion_tokens, mismatch_sum, mismatch_tokens = 0.0, 0, 0.0, 0
+    for chunk in micro_batches(sequences, cfg.micro_batch_size):
+        input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
+        with autocast(device):
+            old, entropy = token_logprobs(
+                model, input_ids, attention_mask, cfg.temperature, with_entropy=True
+            )
+            ref = None
+            if reference is not None:
+                ref, _ = token_logprobs(reference, input_ids, attention_mask, cfg.temperature)
+        entropy_sum += float((entropy * loss_mask).sum())
+        completion_tokens += int(loss_mask.sum())
+        for row, sequence in enumerate(chunk):
+            length = len(sequence.input_ids) - 1
+            sequence.old_logprobs = old[row, :length].cpu()
+            if ref is not None:
+                sequence.ref_logprobs = ref[row, :length].cpu()
+            if sequence.sampled_logprobs is not None:
+                sampled = torch.tensor(sequence.sampled_logprobs[1:])
+                on_mask = torch.tensor(sequence.loss_mask[1:], dtype=torch.bool)
+                mismatch_sum += float((sequence.old_logprobs - sampled).abs()[on_mask].sum())
+                mismatch_tokens += int(on_mask.sum())
+    return {
+        "policy/entropy": entropy_sum / max(completion_tokens, 1),
+        "policy/logprob_mismatch": mismatch_sum / max(mismatch_tokens, 1),
+    }
+
+
+def update_policy(
+    model,
+    optimizer,
+    scheduler,
+    sequences,
+    normalizer: float,
+    cfg: RLConfig,
+    pad_id: int,
+    device,
+    *,
+    with_reference: bool,
+) -> dict:
+    """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
+    of `policy_loss` over length-sorted micro-batches; returns the loss statistics."""
+    # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
+    # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
+    trainable = [s for s in sequences if s.advantage != 0.0 or with_reference]
+    policy_sum, kl_sum, clipped_sum, tokens = 0.0, 0.0, 0.0, 0.0
+    grad_norms, learning_rates = [], []
+    for _ in range(cfg.num_iterations):
+        for chunk in micro_batches(trainable, cfg.micro_batch_size):
+            input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
+            width = loss_mask.shape[1]
+            old = padded([s.old_logprobs for s in chunk], width, device)
+            ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
+            advantages = torch.tensor([s.advantage for s in chunk], device=device)
+            with autocast(device):
+                logprobs, _ = token_logprobs(model, input_ids, attention_mask, cfg.temperature)
+            loss, stats = policy_loss(
+                logprobs, old, ref, advantages, loss_mask, cfg, normalizer=normalizer
+            )
+            loss.backward()
+            policy_sum += stats["loss/policy"]
+            kl_sum += stats["loss/kl"] * stats["tokens"]
+            clipped_sum += stats["policy/clip_fraction"] * stats["tokens"]
+            tokens += stats["tokens"]
+        grad_norms.append(clip_gradients(model, cfg.max_grad_norm))
+        learning_rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()  # with nothing trainable no parameter has a gradient: none moves
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    kl = kl_sum / max(tokens, 1.0)
+    policy = policy_sum / cfg.num_iterations
+    return {
+        "loss/policy": policy,
+        "loss/kl": kl,
+        "loss/total": policy + cfg.beta * kl,
+        "policy/clip_fraction": clipped_sum / max(tokens, 1.0),
+        "optim/grad_norm": sum(grad_norms) / len(grad_norms),
+        "optim/lr": learning_rates[-1],
+    }
+
+
+def rollout_sample(rollouts: list[Rollout], group_size: int, count: int) -> list[Rollout]:
+    """`count` rollouts for the sink: the first of every example, then the second...,
+    so the sample spreads over examples and so over the stratified groups."""
+    order = sorted(range(len(rollouts)), key=lambda i: (i % group_size, i // group_size))
+    return [rollouts[i] for i in order[:count]]
+
+
+# ---------------------------------------------------------------------------------------
+# The training loop
+
+
+def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
+    """Train `cfg.model` with RL on `cfg.env`; returns the final checkpoint directory."""
+    sink = sink or NullSink()
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    seed_everything(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    save_config(cfg, output_dir)
+
+    # Environment, policy model, optional frozen reference, optimizer, example stream.
+    env = load_environment(cfg.env, **cfg.env_args)
+    model, tokenizer = load_model_and_tokenizer(cfg.resume_from or cfg.model, device)
+    model.eval()  # no dropout: the importance ratio must be exactly 1 before an update
+    reference = None
+    if cfg.beta > 0:
+        reference, _ = load_model_and_tokenizer(cfg.model, device)
+        reference.eval().requires_grad_(False)
+    optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps * cfg.num_iterations)
+    examples_per_step = cfg.batch_size // cfg.rollouts_per_example
+    sampler = StratifiedSampler(env, cfg.seed, examples_per_step)
+    engine = LocalEngine(None, model=model, tokenizer=tokenizer, name="policy")
+    sampling = SamplingParams(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
+    )
+    start_step = 0
+    if cfg.resume_from:
+        state, changed = load_trainer_state(cfg.resume_from, cfg)
+        if changed:
+            sink.log(f"rl: resuming with changed settings {changed}", "warning")
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        restore_random_states(state["random"])
+        start_step = state["step"]
+        sink.log(f"rl: resumed from {cfg.resume_from} at step {start_step}")
+    sink.log(
+        f"rl: {cfg.loss_type} on {env.name}, {examples_per_step} examples x "
+        f"{cfg.rollouts_per_example} rollouts per step, steps {start_step + 1}..{cfg.max_steps}"
+    )
+
+    def checkpoint(step: int, path: Path) -> str:
+        saved = save_training_checkpoint(
+            path,
+            step=step,
+            model=model,
+            tokenizer=tokenizer,
+            cfg=cfg,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampler=sampler,
+        )
+        sink.checkpoint(step, saved)
+        return saved
+
+    outcome_labels: set[str] = set()  # every label seen so far, reported even at rate 0
+    loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
+    try:
+        for step in range(start_step + 1, cfg.max_steps + 1):
+            if sink.should_stop():
+                path = checkpoint(step - 1, checkpoint_dir(output_dir, step - 1))
+                sink.log(f"rl: stopped on request after step {step - 1}; saved {path}", "warning")
+                return path
+            step_started = time.monotonic()
+
+            # 1-2. A stratified batch of examples, each rolled out as a group.
+            examples = sampler.next_batch()
+            rollouts = loop.run_until_complete(
+                run_rollouts(
+                    env,
+                    engine,
+                    examples,
+                    sampling=sampling,
+                    rollouts_per_example=cfg.rollouts_per_example,
+                    concurrency=cfg.concurrency,
+                )
+            )
+            rollout_seconds = time.monotonic() - step_started
+            train_started = time.monotonic()
+
+            # 3. Group advantages from the rubric's rewards.
+            rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+            advantages = group_advantages(rewards, cfg.rollouts_per_example, cfg.scale_rewards)
+
+            # 4. Training sequences: the sampled token ids, loss only on sampled tokens.
+            sequences = [
+                TrainingSequence(input_ids, loss_mask, advantage, sampled_logprobs)
+                for rollout, advantage in zip(rollouts, advantages.tolist(), strict=True)
+                for input_ids, loss_mask, sampled_logprobs in build_sequences(
+                    rollout, with_logprobs=True
+                )
+            ]
+            completion_tokens = sum(sum(s.loss_mask) for s in sequences)
+            normalizer = loss_normalizer(completion_tokens, len(sequences), cfg)
+
+            # 5. Old and reference logprobs, then the masked-loss updates.
+            pad_id = tokenizer.pad_token_id
+            scored = score_sequences(model, reference, sequences, cfg, pad_id, device)
+            updated = update_policy(
+                model,
+                optimizer,
+                scheduler,
+                sequences,
+                normalizer,
+                cfg,
+                pad_id,
+                device,
+                with_reference=reference is not None,
+            )
+            train_seconds = time.monotonic() - train_started
+            step_seconds = time.monotonic() - step_started
+
+            # 6. Log: rollout statistics under the eval names, then the optimization's.
+            metrics = summary_metrics(summarize(env, rollouts, rollout_seconds))
+            outcome_labels.update(r.outcome for r in rollouts if r.outcome is not None)
+            for label in outcome_labels:
+                metrics.setdefault(f"outcome/{label}", 0.0)
+            groups = rewards.view(-1, cfg.rollouts_per_example)
+            metrics.update(scored)
+            metrics.update(updated)
+            metrics.update(
+                {
+                    "advantage/zero_group_rate": float((groups.std(dim=1) == 0).float().mean()),
+                    "advantage/abs_mean": float(advantages.abs().mean()),
+                    # Tokens through the trainer (prompts included) per second of the step.
+                    "perf/tokens_per_s": sum(len(s.input_ids) for s in sequences) / step_seconds,
+                    "perf/step_seconds": step_seconds,
+                    "perf/rollout_seconds": rollout_seconds,
+                    "perf/train_seconds": train_seconds,
+                }
+            )
+            sink.metric(step, metrics)
+            if cfg.log_rollouts:
+                sink.rollouts(
+                    step, rollout_sample(rollouts, cfg.rollouts_per_example, cfg.log_rollouts)
+                )
+            errors = [r.error for r in rollouts if r.error]
+            if errors:
+                sink.log(
+                    f"rl: {len(errors)} rollouts failed at step {step}: {errors[0]}", "warning"
+                )
+            sink.progress(step, cfg.max_steps, "rl")
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+                checkpoint(step, checkpoint_dir(output_dir, step))
+    finally:
+        loop.run_until_complete(engine.aclose())
+        loop.close()
+
+    path = checkpoint(cfg.max_steps, output_dir / "final")
+    sink.log(f"rl: final checkpoint {path}")
+    return path

@@ -1,0 +1,358 @@
+"""Supervised fine-tuning of a causal LM on conversations, with the loss on assistant tokens.
+
+The dataset is JSONL, one `{"messages": [...]}` conversation per line (what `synth`
+writes). Each conversation is rendered with the tokenizer's chat template turn by turn, so
+the tokens of every assistant message, through its closing end-of-turn token, get loss
+mask 1 and everything else (system, user, environment and tool messages, the
+`<|im_start|>assistant` headers) gets 0: the model learns to answer, not to predict the
+environment. The loop is plain PyTorch: AdamW, linear warm-up then cosine or constant
+decay, gradient accumulation over micro-batches sorted by length, gradient clipping,
+bf16 autocast on CUDA, checkpoints in Hugging Face format.
+
+The model loading, learning-rate schedule and checkpoint helpers here are shared with the
+RL trainer (`grpo.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rlcore.events import EventSink, NullSink
+from rlcore.train.config import SFTConfig, save_config
+from rlcore.types import Message
+
+# ---------------------------------------------------------------------------------------
+# Shared helpers: device, seeding, model loading, schedule, checkpoints
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when available else cpu; `cuda` without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device='cuda' was asked for but no CUDA GPU is available; use auto or cpu"
+        )
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (weights stay fp32 for the optimizer); nothing on CPU."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def model_path(model: str) -> str:
+    """`tiny` -> the built-in tiny model's directory (built on first use); else unchanged."""
+    if model == "tiny":
+        from rlcore.policy.tiny import ensure_tiny_model
+
+        return ensure_tiny_model()
+    return model
+
+
+def load_model_and_tokenizer(model: str, device: torch.device):
+    """A trainable fp32 causal LM and its tokenizer from `tiny`, a directory or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        network = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load model {model!r} (looked for {path!r}): accepted are `tiny`, a "
+            f"checkpoint directory with config.json, or a Hugging Face hub id ({exc})"
+        ) from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return network.to(device), tokenizer
+
+
+def lr_factor(update: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):
+    """Learning-rate multiplier for optimizer update `update` (0-based)."""
+    if warmup_steps and update < warmup_steps:
+        return (update + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (update - warmup_steps) / decay_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model, cfg, total_updates: int):
+    """AdamW and its LambdaLR schedule (warm-up then cfg.lr_schedule) for `cfg`."""
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda update: lr_factor(
+            update,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_updates,
+            schedule=cfg.lr_schedule,
+            min_ratio=cfg.min_lr_ratio,
+        ),
+    )
+    return optimizer, scheduler
+
+
+def clip_gradients(model, max_norm: float) -> float:
+    """Clip the global gradient norm (0: only measure it) and return the norm before."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return float(norm)
+
+
+def save_checkpoint(model, tokenizer, cfg, path: str | Path) -> str:
+    """Model and tokenizer via save_pretrained, plus the run's config as train_config.json
+    (config.json in a checkpoint is the model's own config)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    save_config(cfg, path, name="train_config.json")
+    return str(path)
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f"step_{step:06d}"
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+
+
+def load_sft_dataset(path: str | Path) -> list[list[Message]]:
+    """Conversations from a JSONL file; errors name the file, the line and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"SFT dataset {str(path)!r} does not exist; expected a JSONL file with one "
+            '{"messages": [{"role": ..., "content": ...}, ...]} per line (see `rlcore synth`)'
+        )
+    conversations = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(messages, list) or not messages:
+                raise ValueError(
+                    f"{path}:{number}: expected an object with a non-empty 'messages' list"
+                )
+            for position, message in enumerate(messages):
+                if not isinstance(message, dict) or "role" not in message:
+                    raise ValueError(
+                        f"{path}:{number}: message {position} must be an object with 'role' "
+                        f"and 'content', got {message!r:.80}"
+                    )
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ValueError(f"{path}:{number}: conversation has no assistant message to learn")
+            conversations.append(messages)
+    if not conversations:
+        raise ValueError(f"SFT dataset {str(path)!r} has no conversations")
+    return conversations
+
+
+def _render(tokenizer, messages: list[Message], *, generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def build_sft_example(
+    tokenizer, messages: list[Message], max_seq_len: int
+) -> tuple[list[int], list[int]]:
+    """Token ids of the conversation and a loss mask that is 1 exactly on assistant tokens.
+
+    The chat template is applied to growing prefixes of the conversation; each message
+    adds the text between one rendering and the next. For an assistant message that text
+    is split in three: the header the generation prompt would add (mask 0), the content
+    through the end-of-turn token (mask 1), and whatever the template puts after it, such
+    as a newline (mask 0). The result is truncated to `max_seq_len` tokens.
+    """
+    eos_text = tokenizer.eos_token or ""
+    input_ids: list[int] = []
+    loss_mask: list[int] = []
+
+    def add(text: str, mask_value: int) -> None:
+        ids = _ids(tokenizer, text)
+        input_ids.extend(ids)
+        loss_mask.extend([mask_value] * len(ids))
+
+    rendered = ""
+    for index, message in enumerate(messages):
+        before = messages[:index]
+        after = _render(tokenizer, messages[: index + 1])
+        if not after.startswith(rendered):
+            raise ValueError(
+                f"the chat template rewrites earlier turns when message {index} is added "
+                "(e.g. it drops past <think> blocks), so turns cannot be masked one by one; "
+                "use a model whose template keeps the history verbatim"
+            )
+        if message.get("role") != "assistant":
+            add(after[len(rendered) :], 0)
+            rendered = after
+            continue
+        header = _render(tokenizer, before, generation_prompt=True)
+        if not (header.startswith(rendered) and after.startswith(header)):
+            header = rendered  # a template without a separate assistant header
+        add(header[len(rendered) :], 0)
+        body = after[len(header) :]
+        end = body.rfind(eos_text) + len(eos_text) if eos_text and eos_text in body else len(body)
+        add(body[:end], 1)
+        add(body[end:], 0)
+        rendered = after
+    return input_ids[:max_seq_len], loss_mask[:max_seq_len]
+
+
+def pad_batch(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
+    width = max(len(s) for s in sequences)
+    return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
+
+
+def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """`indices` in micro-batches of `size`, neighbours in length, so padding stays small."""
+    ordered = sorted(indices, key=lambda i: lengths[i])
+    return [ordered[start : start + size] for start in range(0, len(ordered), size)]
+
+
+# ---------------------------------------------------------------------------------------
+# Training
+
+
+def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
+    """Fine-tune `cfg.model` on `cfg.dataset`; returns the final checkpoint directory."""
+    sink = sink or NullSink()
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    seed_everything(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    save_config(cfg, output_dir)
+
+    # Data: tokenize every conversation once, masking everything but assistant turns.
+    conversations = load_sft_dataset(cfg.dataset)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, device)
+    examples, truncated, dropped = [], 0, 0
+    for messages in conversations:
+        full_ids, full_mask = build_sft_example(tokenizer, messages, max_seq_len=10**9)
+        input_ids, loss_mask = full_ids[: cfg.max_seq_len], full_mask[: cfg.max_seq_len]
+        truncated += len(full_ids) > cfg.max_seq_len
+        if sum(loss_mask) == 0:
+            dropped += 1  # truncation cut away every assistant token
+            continue
+        examples.append((input_ids, loss_mask))
+    if not examples:
+        raise ValueError(
+            f"no conversation of {cfg.dataset!r} keeps an assistant token within "
+            f"max_seq_len={cfg.max_seq_len}"
+        )
+    sink.log(
+        f"sft: {len(examples)} conversations from {cfg.dataset} ({truncated} truncated to "
+        f"{cfg.max_seq_len} tokens, {dropped} dropped with no assistant token left)"
+    )
+
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    optimizer, scheduler = build_optimizer(model, cfg, total_steps)
+    order_rng = random.Random(cfg.seed)
+    order: list[int] = []
+    lengths = [len(ids) for ids, _ in examples]
+    model.train()
+
+    for step in range(1, total_steps + 1):
+        if sink.should_stop():
+            path = save_checkpoint(model, tokenizer, cfg, checkpoint_dir(output_dir, step - 1))
+            sink.checkpoint(step - 1, path)
+            sink.log(f"sft: stopped on request after step {step - 1}; checkpoint {path}", "warning")
+            return path
+        started = time.monotonic()
+
+        # Next batch of conversations: a fresh shuffle every time the data runs out.
+        batch: list[int] = []
+        while len(batch) < cfg.batch_size:
+            if not order:
+                order = list(range(len(examples)))
+                order_rng.shuffle(order)
+            batch.append(order.pop())
+        masked_tokens = sum(sum(examples[i][1]) for i in batch)
+
+        # Forward and backward per micro-batch; the loss is the mean over every assistant
+        # token of the whole batch, so accumulation gives the same gradient as one pass.
+        total_loss, seen_tokens = 0.0, 0
+        for chunk in length_sorted_chunks(batch, lengths, cfg.micro_batch_size):
+            input_ids = pad_batch([examples[i][0] for i in chunk], tokenizer.pad_token_id)
+            loss_mask = pad_batch([examples[i][1] for i in chunk], 0)
+            attention_mask = pad_batch([[1] * lengths[i] for i in chunk], 0)
+            input_ids, loss_mask, attention_mask = (
+                t.to(device) for t in (input_ids, loss_mask, attention_mask)
+            )
+            with autocast(device):
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            token_loss = F.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
+            )
+            loss = (token_loss * loss_mask[:, 1:].flatten()).sum() / masked_tokens
+            loss.backward()
+            total_loss += loss.item()
+            seen_tokens += int(attention_mask.sum())
+
+        grad_norm = clip_gradients(model, cfg.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        seconds = time.monotonic() - started
+        sink.metric(
+            step,
+            {
+                "loss/sft": total_loss,
+                "optim/lr": lr,
+                "optim/grad_norm": grad_norm,
+                "perf/tokens_per_s": seen_tokens / max(seconds, 1e-9),
+                "perf/step_seconds": seconds,
+            },
+        )
+        sink.progress(step, total_steps, "sft")
+        if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+            path = save_checkpoint(model, tokenizer, cfg, checkpoint_dir(output_dir, step))
+            sink.checkpoint(step, path)
+
+    path = save_checkpoint(model, tokenizer, cfg, output_dir / "final")
+    sink.checkpoint(total_steps, path)
+    sink.log(f"sft: final checkpoint {path}")
+    return path

@@ -1,0 +1,160 @@
+"""Group advantages and every loss variant against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from rlcore.train.config import RLConfig
+from rlcore.train.grpo import group_advantages, loss_normalizer, policy_loss
+
+# Two sequences of two tokens; the last token of the second is off the mask.
+OLD = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
+RATIOS = torch.tensor([[1.5, 0.5], [0.5, 3.0]])
+MASK = torch.tensor([[1, 1], [1, 0]])
+ADVANTAGES = torch.tensor([1.0, -1.0])
+
+
+def new_logprobs() -> torch.Tensor:
+    return (OLD + RATIOS.log()).clone().requires_grad_(True)
+
+
+def assert_close(actual: torch.Tensor, expected) -> None:
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype))
+
+
+def config(**changes) -> RLConfig:
+    values = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "max_tokens": 4, "beta": 0.0}
+    return RLConfig(**{**values, **changes})
+
+
+def test_advantages_are_rewards_minus_their_group_mean():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0])
+    advantages = group_advantages(rewards, group_size=4, scale=False)
+    assert advantages.tolist() == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_scaled_advantages_divide_by_the_group_std_and_leave_flat_groups_at_zero():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0])
+    advantages = group_advantages(rewards, group_size=4, scale=True)
+    std = math.sqrt((0.25 + 0.25) / 3)  # unbiased std of [1, 0, .5, .5]
+    expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0, 0, 0, 0, 0, 0]
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_rewards_that_do_not_fill_whole_groups_are_refused():
+    with pytest.raises(ValueError, match="5 rewards do not split into groups of 2"):
+        group_advantages(torch.ones(5), group_size=2, scale=False)
+
+
+def test_grpo_clips_the_ratio_per_token_and_averages_over_completion_tokens():
+    logprobs = new_logprobs()
+    loss, stats = policy_loss(logprobs, OLD, None, ADVANTAGES, MASK, config(loss_type="grpo"))
+    # token (0,0): A=+1, ratio 1.5 > 1.28 -> clipped objective 1.28
+    # token (0,1): A=+1, ratio 0.5 -> unclipped 0.5 (the min keeps the pessimistic term)
+    # token (1,0): A=-1, ratio 0.5 < 0.8 -> clipped objective -0.8
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.8) / 3)
+    assert stats["policy/clip_fraction"] == pytest.approx(2 / 3)
+    assert stats["tokens"] == 3
+    loss.backward()
+    # Clipped tokens get no gradient; the free one gets -ratio * A / 3; masked: none.
+    assert_close(logprobs.grad, [[0.0, -0.5 / 3], [0.0, 0.0]])
+
+
+def test_grpo_with_ratio_one_is_the_policy_gradient():
+    logprobs = OLD.clone().requires_grad_(True)
+    loss, stats = policy_loss(logprobs, OLD, None, ADVANTAGES, MASK, config())
+    assert loss.item() == pytest.approx((-1 - 1 + 1) / 3)
+    assert stats["policy/clip_fraction"] == 0.0
+    loss.backward()
+    assert_close(logprobs.grad, [[-1 / 3, -1 / 3], [1 / 3, 0.0]])
+
+
+def test_dr_grpo_divides_the_sum_by_max_tokens_times_sequences():
+    logprobs = new_logprobs()
+    loss, _ = policy_loss(logprobs, OLD, None, ADVANTAGES, MASK, config(loss_type="dr_grpo"))
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.8) / (4 * 2))
+    assert loss_normalizer(3, 2, config(loss_type="dr_grpo")) == 8.0
+    assert loss_normalizer(3, 2, config(loss_type="grpo")) == 3.0
+
+
+def test_cispo_weights_every_token_by_its_clipped_ratio_without_differentiating_it():
+    logprobs = new_logprobs()
+    loss, stats = policy_loss(logprobs, OLD, None, ADVANTAGES, MASK, config(loss_type="cispo"))
+    weights = [[1.28, 0.5], [0.5, 1.28]]  # min(ratio, 1 + eps_high)
+    expected = (
+        -(
+            weights[0][0] * 1 * logprobs[0, 0]
+            + weights[0][1] * 1 * logprobs[0, 1]
+            + weights[1][0] * -1 * logprobs[1, 0]
+        )
+        / 3
+    )
+    assert loss.item() == pytest.approx(expected.item())
+    assert stats["policy/clip_fraction"] == pytest.approx(1 / 3)
+    loss.backward()
+    # Stop-gradient: d/dlogprob is -weight * A / 3 exactly, and the clipped token (0,0)
+    # still learns, unlike under grpo. Differentiating through the ratio would add
+    # -ratio * A * logprob / 3 terms and change every entry.
+    assert_close(logprobs.grad, [[-1.28 / 3, -0.5 / 3], [0.5 / 3, 0.0]])
+
+
+def test_the_kl_penalty_is_the_k3_estimate_weighted_by_beta():
+    logprobs = OLD.clone().requires_grad_(True)
+    reference = OLD + torch.tensor([[0.5, -0.5], [1.0, 2.0]])
+    cfg = config(beta=0.1)
+    loss, stats = policy_loss(logprobs, OLD, reference, ADVANTAGES, MASK, cfg)
+
+    def k3(delta):
+        return math.exp(delta) - delta - 1
+
+    kl_sum = k3(0.5) + k3(-0.5) + k3(1.0)  # the masked token (delta 2) does not count
+    assert stats["loss/kl"] == pytest.approx(kl_sum / 3)
+    assert loss.item() == pytest.approx((-1 - 1 + 1) / 3 + 0.1 * kl_sum / 3)
+    loss.backward()
+    # d k3 / d logprob = 1 - exp(ref - logprob)
+    expected = [
+        [(-1 + 0.1 * (1 - math.exp(0.5))) / 3, (-1 + 0.1 * (1 - math.exp(-0.5))) / 3],
+        [(1 + 0.1 * (1 - math.exp(1.0))) / 3, 0.0],
+    ]
+    assert_close(logprobs.grad, expected)
+
+
+def test_a_reference_is_ignored_when_beta_is_zero():
+    reference = OLD + 1.0
+    loss, stats = policy_loss(OLD.clone(), OLD, reference, ADVANTAGES, MASK, config(beta=0.0))
+    assert loss.item() == pytest.approx(-1 / 3)
+    assert stats["loss/kl"] == 0.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo", "dr_grpo"])
+def test_micro_batches_with_the_batch_normalizer_add_up_to_the_full_batch(loss_type):
+    cfg = config(loss_type=loss_type, beta=0.05)
+    reference = OLD - 0.3
+    normalizer = loss_normalizer(int(MASK.sum()), 2, cfg)
+    full = new_logprobs()
+    full_loss, _ = policy_loss(full, OLD, reference, ADVANTAGES, MASK, cfg, normalizer=normalizer)
+    full_loss.backward()
+    parts = new_logprobs()
+    total = 0.0
+    for row in (0, 1):
+        part_loss, _ = policy_loss(
+            parts[row : row + 1],
+            OLD[row : row + 1],
+            reference[row : row + 1],
+            ADVANTAGES[row : row + 1],
+            MASK[row : row + 1],
+            cfg,
+            normalizer=normalizer,
+        )
+        part_loss.backward()
+        total += part_loss.item()
+    assert total == pytest.approx(full_loss.item())
+    assert_close(parts.grad, full.grad.tolist())
+
+
+def test_an_unknown_loss_type_is_refused_by_name():
+    cfg = config()
+    cfg.loss_type = "ppo"
+    with pytest.raises(ValueError, match="'ppo'"):
+        policy_loss(OLD, OLD, None, ADVANTAGES, MASK, cfg)

@@ -1,0 +1,340 @@
+"""The RL trainer on the real tiny model: training sequences, stratified batches, learning,
+checkpoints and resume."""
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlcore.envs.registry import load_environment
+from rlcore.events import RecordingSink
+from rlcore.policy.local import LocalEngine
+from rlcore.policy.tiny import ensure_tiny_model
+from rlcore.rollout import run_rollouts
+from rlcore.train.config import ConfigError, RLConfig, SFTConfig
+from rlcore.train.grpo import TRAINER_STATE, build_sequences, run_rl
+from rlcore.train.sampling import StratifiedSampler
+from rlcore.train.sft import run_sft
+from rlcore.types import Rollout, SamplingParams, Turn
+
+REVERSE_AB = {"mode": "random", "min_chars": 2, "max_chars": 2, "alphabet": "ab"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return ensure_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=128,
+    )
+
+
+@pytest.fixture(scope="module")
+def half_formatted_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model after a short SFT on reverse-text replies of random letters, half of
+    them missing the closing </reversed> (which scores 0): a policy RL can improve."""
+    work = tmp_path_factory.mktemp("warm")
+    env = load_environment("reverse_text", **REVERSE_AB)
+    rng = random.Random(0)
+    with (work / "data.jsonl").open("w") as out:
+        for example in env.examples(64, seed=123):
+            letters = "".join(rng.choice("ab") for _ in range(2))
+            closing = "</reversed>" if rng.random() < 0.5 else ""
+            reply = {"role": "assistant", "content": f"<reversed>{letters}{closing}"}
+            out.write(json.dumps({"messages": [*example.prompt, reply]}) + "\n")
+    cfg = SFTConfig(
+        model=tiny_model,
+        dataset=str(work / "data.jsonl"),
+        output_dir=str(work / "sft"),
+        max_steps=30,
+        batch_size=16,
+        micro_batch_size=16,
+        lr=3e-3,
+        lr_schedule="constant",
+    )
+    return run_sft(cfg, RecordingSink())
+
+
+def rl_config(model: str, tmp_path, **changes) -> RLConfig:
+    values = dict(
+        model=model,
+        env="reverse_text",
+        env_args=dict(REVERSE_AB),
+        output_dir=str(tmp_path / "rl"),
+        batch_size=16,
+        rollouts_per_example=4,
+        micro_batch_size=16,
+        max_tokens=8,
+        lr=3e-4,
+        max_steps=2,
+    )
+    return RLConfig(**{**values, **changes})
+
+
+# ---------------------------------------------------------------------------------------
+# Training sequences
+
+
+def test_a_real_multi_turn_rollout_becomes_sequences_masked_on_sampled_tokens(tiny_model):
+    torch.manual_seed(0)
+    env = load_environment("tictactoe", max_turns=4, num_groups=1)
+    engine = LocalEngine(tiny_model, device="cpu")
+    # Two-token replies: random ones are often plain characters that re-tokenize to the
+    # same ids (turns merge) and sometimes not (a new sequence starts): both paths run.
+    rollouts = asyncio.run(
+        run_rollouts(
+            env,
+            engine,
+            env.examples(6, seed=1),
+            sampling=SamplingParams(max_tokens=2),
+            rollouts_per_example=2,
+        )
+    )
+    merged_turns = split_turns = 0
+    for rollout in rollouts:
+        assert rollout.num_turns == len(rollout.turns) >= 2
+        sequences = build_sequences(rollout)
+        # Which turns share a sequence, decided independently of build_sequences: a turn
+        # joins when its prompt starts with the previous turn's prompt and completion.
+        owners, sequence_start = [], []
+        for index, turn in enumerate(rollout.turns):
+            previous = rollout.turns[index - 1] if index else None
+            if (
+                previous is not None
+                and turn.prompt_ids[: len(previous.prompt_ids) + len(previous.completion_ids)]
+                == previous.prompt_ids + previous.completion_ids
+            ):
+                merged_turns += 1
+            else:
+                split_turns += index > 0
+                sequence_start.append(index)
+            owners.append(len(sequence_start) - 1)
+        assert len(sequences) == len(sequence_start)
+        for number, (input_ids, loss_mask) in enumerate(sequences):
+            turns = [t for t, owner in zip(rollout.turns, owners, strict=True) if owner == number]
+            last = turns[-1]
+            # A sequence is its last turn's exact prompt and sampled ids, nothing re-encoded.
+            assert input_ids == last.prompt_ids + last.completion_ids
+            expected_mask = [0] * len(input_ids)
+            for turn in turns:
+                start = len(turn.prompt_ids)  # the prompt of a merged turn is the prefix so far
+                for position in range(start, start + len(turn.completion_ids)):
+                    expected_mask[position] = 1
+            assert loss_mask == expected_mask
+    assert merged_turns > 0 and split_turns > 0
+
+
+def test_a_turn_whose_prompt_does_not_extend_the_sequence_starts_a_new_one():
+    rollout = Rollout(example_id=0, seed=0, group=0, messages=[], prompt_len=0)
+    rollout.turns = [
+        Turn(prompt_ids=[1, 2, 3], completion_ids=[10, 11], logprobs=[-0.1, -0.2]),
+        # Extends [1, 2, 3, 10, 11] with an env reply [4, 5]: same sequence.
+        Turn(prompt_ids=[1, 2, 3, 10, 11, 4, 5], completion_ids=[12], logprobs=[-0.3]),
+        # History re-rendered (11 became 99): not a prefix extension, a new sequence.
+        Turn(prompt_ids=[1, 2, 3, 10, 99, 4, 5, 12, 6], completion_ids=[13, 14], logprobs=None),
+    ]
+    assert build_sequences(rollout) == [
+        ([1, 2, 3, 10, 11, 4, 5, 12], [0, 0, 0, 1, 1, 0, 0, 1]),
+        ([1, 2, 3, 10, 99, 4, 5, 12, 6, 13, 14], [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]),
+    ]
+    with_logprobs = build_sequences(rollout, with_logprobs=True)
+    assert with_logprobs[0][2] == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3]
+    assert with_logprobs[1][2] is None  # the backend gave no logprobs for that turn
+
+
+# ---------------------------------------------------------------------------------------
+# Stratified batches
+
+
+def test_the_sampler_deals_fresh_examples_evenly_over_groups_and_rotates_the_remainder():
+    env = load_environment("tictactoe", num_groups=4)
+    sampler = StratifiedSampler(env, seed=3, examples_per_step=6)
+    batches = [sampler.next_batch() for _ in range(4)]
+    assert [[e.group for e in batch] for batch in batches[:2]] == [
+        [0, 1, 2, 3, 0, 1],
+        [2, 3, 0, 1, 2, 3],
+    ]
+    ids = [e.id for batch in batches for e in batch]
+    assert len(ids) == len(set(ids)) == 24
+    replay = StratifiedSampler(env, seed=3, examples_per_step=6)
+    assert [e.id for e in replay.next_batch()] == [e.id for e in batches[0]]
+    other_seed = StratifiedSampler(env, seed=4, examples_per_step=6).next_batch()
+    assert [e.seed for e in other_seed] != [e.seed for e in batches[0]]
+
+
+def test_sampler_state_restores_the_same_stream():
+    env = load_environment("tictactoe", num_groups=3)
+    sampler = StratifiedSampler(env, seed=0, examples_per_step=4)
+    sampler.next_batch()
+    state = json.loads(json.dumps(sampler.state_dict()))
+    expected = [[e.id for e in sampler.next_batch()] for _ in range(2)]
+    restored = StratifiedSampler(env, seed=0, examples_per_step=4)
+    restored.load_state_dict(state)
+    assert [[e.id for e in restored.next_batch()] for _ in range(2)] == expected
+    with pytest.raises(ValueError, match="seed 0 with 3 groups, this run has seed 1"):
+        StratifiedSampler(env, seed=1, examples_per_step=4).load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------
+# Training runs
+
+
+def test_rl_raises_the_mean_reward_on_reverse_text(half_formatted_model, tmp_path):
+    cfg = rl_config(
+        half_formatted_model,
+        tmp_path,
+        max_steps=40,
+        batch_size=64,
+        rollouts_per_example=8,
+        micro_batch_size=64,
+    )
+    sink = RecordingSink()
+    final = run_rl(cfg, sink)
+
+    rewards = [values["reward/mean"] for _, values in sink.metrics]
+    assert len(rewards) == 40
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, f"reward went from {first:.3f} to {last:.3f}"
+    # The gain is the closing tag learned: the format share rises with it.
+    formats = [values["reward/format"] for _, values in sink.metrics]
+    assert sum(formats[-5:]) / 5 > sum(formats[:5]) / 5 + 0.15
+
+    names = set(sink.metrics[0][1])
+    for name in (
+        "reward/mean",
+        "reward/std",
+        "reward/lcs",
+        "reward/format",
+        "outcome/correct",
+        "outcome/incorrect",
+        "reverse_text/answered",
+        "length/completion_tokens",
+        "length/truncated_rate",
+        "policy/entropy",
+        "loss/kl",
+        "policy/clip_fraction",
+        "optim/grad_norm",
+        "loss/policy",
+        "loss/total",
+        "optim/lr",
+        "perf/tokens_per_s",
+        "perf/step_seconds",
+        "perf/rollout_seconds",
+        "perf/train_seconds",
+        "policy/logprob_mismatch",
+    ):
+        assert name in names, name
+    # The trainer's recomputed logprobs match what the engine sampled with.
+    assert all(values["policy/logprob_mismatch"] < 1e-3 for _, values in sink.metrics)
+    assert [step for step, _ in sink.rollout_batches] == list(range(1, 41))
+    assert len(sink.rollout_batches[0][1]) == cfg.log_rollouts
+    assert sink.progress_events[-1] == (40, 40, "rl")
+    assert sink.checkpoints == [(40, final)]
+    assert json.loads((tmp_path / "rl" / "config.json").read_text())["lr"] == 3e-4
+    reloaded = AutoModelForCausalLM.from_pretrained(final)
+    assert reloaded.config.hidden_size == 64
+
+
+def test_resume_continues_at_the_saved_step_with_identical_sampling(half_formatted_model, tmp_path):
+    full = RecordingSink()
+    run_rl(rl_config(half_formatted_model, tmp_path / "full", max_steps=4, save_every=2), full)
+    checkpoint = tmp_path / "full" / "rl" / "step_000002"
+    assert (checkpoint / TRAINER_STATE).is_file()
+    assert [step for step, _ in full.checkpoints] == [2, 4]
+
+    resumed = RecordingSink()
+    final = run_rl(
+        rl_config(
+            half_formatted_model, tmp_path / "resumed", max_steps=4, resume_from=str(checkpoint)
+        ),
+        resumed,
+    )
+    assert [step for step, _ in resumed.metrics] == [3, 4]
+    assert any("resumed from" in message for _, message in resumed.logs)
+    for (_, expected), (_, got) in zip(full.metrics[2:], resumed.metrics, strict=True):
+        for name in ("reward/mean", "length/completion_tokens", "loss/policy", "optim/lr"):
+            assert got[name] == pytest.approx(expected[name], abs=1e-6), name
+    for (_, expected), (_, got) in zip(
+        full.rollout_batches[2:], resumed.rollout_batches, strict=True
+    ):
+        assert [r.messages for r in got] == [r.messages for r in expected]
+    weights = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "full" / "rl" / "final"
+    ).state_dict()
+    assert all(torch.allclose(weights[k], reference[k], atol=1e-6) for k in reference)
+
+
+def test_kl_to_the_reference_is_measured_from_the_second_update_on(half_formatted_model, tmp_path):
+    cfg = rl_config(
+        half_formatted_model,
+        tmp_path,
+        loss_type="cispo",
+        beta=0.1,
+        num_iterations=2,
+        lr=1e-3,
+        micro_batch_size=4,
+    )
+    sink = RecordingSink()
+    run_rl(cfg, sink)
+    first, second = sink.metrics[0][1], sink.metrics[1][1]
+    # Step 1's first update starts at the reference (KL exactly 0), so a positive KL at
+    # step 1 comes from its second update, after the weights moved.
+    assert first["loss/kl"] > 0 and second["loss/kl"] > 0
+    assert first["loss/total"] == pytest.approx(first["loss/policy"] + 0.1 * first["loss/kl"])
+    assert first["optim/grad_norm"] > 0
+
+
+def test_tictactoe_training_reports_env_metrics_and_mixes_groups(tiny_model, tmp_path):
+    cfg = rl_config(
+        tiny_model,
+        tmp_path,
+        env="tictactoe",
+        env_args={"max_turns": 2, "num_groups": 2},
+        max_steps=1,
+    )
+    sink = RecordingSink()
+    run_rl(cfg, sink)
+    ((step, metrics),) = sink.metrics
+    expected = {
+        "outcome/unfinished",
+        "reward/outcome",
+        "reward/format",
+        "reward/invalid_move",
+        "tictactoe/invalid_move_rate",
+    }
+    assert expected <= set(metrics)
+    # A random model never plays a valid move, so every game scores the same: no signal.
+    assert metrics["tictactoe/invalid_move_rate"] == 1.0
+    assert metrics["advantage/zero_group_rate"] == 1.0
+    assert metrics["optim/grad_norm"] == 0.0
+    groups = [r.group for r in sink.rollout_batches[0][1]]
+    assert sorted(groups) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_a_stop_request_saves_a_checkpoint_at_the_last_finished_step(tiny_model, tmp_path):
+    class StopAfterFirstStep(RecordingSink):
+        def should_stop(self) -> bool:
+            return bool(self.metrics)
+
+    sink = StopAfterFirstStep()
+    path = run_rl(rl_config(tiny_model, tmp_path, max_steps=5), sink)
+    assert path.endswith("step_000001")
+    assert [step for step, _ in sink.metrics] == [1]
+    assert sink.checkpoints == [(1, path)]
+    assert torch.load(f"{path}/{TRAINER_STATE}", weights_only=False)["step"] == 1
+
+
+def test_resuming_from_a_directory_without_trainer_state_is_refused(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="is not an RL checkpoint"):
+        run_rl(rl_config(tiny_model, tmp_path, resume_from=tiny_model), RecordingSink())
+
+
+def test_a_group_of_one_rollout_is_refused():
+    with pytest.raises(ConfigError, match="rollouts_per_example must be at least 2"):
+        RLConfig(rollouts_per_example=1, batch_size=4).validate()

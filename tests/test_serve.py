@@ -1,0 +1,210 @@
+"""The OpenAI-compatible server: routes, request validation, usage, batching, tool-call
+extraction and the `python -m rlcore.serve` entry point."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from rlcore.policy.local import LocalEngine
+from rlcore.policy.tiny import ensure_tiny_model, tiny_config_hash
+from rlcore.serve import ServerThread, build_app, extract_tool_calls, main
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from a second thread, and on a shared CPU its spin-waits
+    make every step many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def rlcore_home(tmp_path_factory):
+    """An RLCORE_HOME with the default tiny model already built in its cache slot."""
+    home = tmp_path_factory.mktemp("rlcore_home")
+    ensure_tiny_model(home / "models" / f"tiny-{tiny_config_hash()}")
+    return home
+
+
+@pytest.fixture(scope="module")
+def engine(rlcore_home):
+    return LocalEngine(
+        str(rlcore_home / "models" / f"tiny-{tiny_config_hash()}"), device="cpu", name="tiny"
+    )
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    with ServerThread(build_app(engine, "tiny-test")) as url:
+        yield url
+
+
+def chat(base_url, body):
+    return httpx.post(f"{base_url}/chat/completions", json=body, timeout=30)
+
+
+def test_models_lists_the_served_name(base_url):
+    response = httpx.get(f"{base_url}/models")
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"]] == ["tiny-test"]
+    assert response.json()["object"] == "list"
+
+
+def test_a_completion_reports_usage_and_length(base_url, engine):
+    body = {"model": "tiny-test", "messages": HELLO, "max_tokens": 7, "temperature": 0}
+    response = chat(base_url, body)
+    assert response.status_code == 200
+    data = response.json()
+    assert data["object"] == "chat.completion" and data["model"] == "tiny-test"
+    [choice] = data["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str)
+    prompt_tokens = len(engine.encode_prompt(HELLO))
+    assert data["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 7,
+        "total_tokens": prompt_tokens + 7,
+    }
+    # max_completion_tokens is the newer name for the same limit.
+    newer = chat(base_url, {"messages": HELLO, "max_completion_tokens": 3, "temperature": 0})
+    assert newer.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"messages": HELLO, "stream": True}, "stream", "stream=true is not supported"),
+        ({"messages": HELLO, "n": 2}, "n", "only n=1"),
+        ({"messages": []}, "messages", "non-empty list"),
+        ({}, "messages", "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'robot'"),
+        ({"messages": ["hello"]}, "messages[0]", "must be an object"),
+        ({"messages": HELLO, "temperature": -1}, "temperature", ">= 0.0"),
+        ({"messages": HELLO, "temperature": "hot"}, "temperature", "must be a number"),
+        ({"messages": HELLO, "top_p": 0}, "top_p", "> 0.0"),
+        ({"messages": HELLO, "max_tokens": 0}, "max_tokens", "positive integer"),
+        ({"messages": HELLO, "stop": ["\n"]}, "stop", "stop sequences"),
+        ({"messages": HELLO, "tools": "all"}, "tools", "list of function"),
+        ([1, 2], None, "JSON object"),
+    ],
+)
+def test_bad_bodies_get_a_400_openai_error(base_url, body, param, words):
+    response = chat(base_url, body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert words in error["message"]
+
+
+def test_invalid_json_gets_a_400(base_url):
+    response = httpx.post(f"{base_url}/chat/completions", content=b"{not json")
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_an_unknown_model_or_route_is_a_404(base_url):
+    response = chat(base_url, {"model": "gpt-9", "messages": HELLO})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+    assert "'tiny-test'" in response.json()["error"]["message"]
+    missing = httpx.get(f"{base_url}/v1/completions")
+    assert missing.status_code == 404 and "POST /v1/chat/completions" in missing.text
+
+
+def test_a_prompt_over_the_context_is_a_400_naming_the_lengths(base_url):
+    response = chat(base_url, {"messages": [{"role": "user", "content": "x" * 3000}]})
+    assert response.status_code == 400
+    assert "context of 2048" in response.json()["error"]["message"]
+
+
+def test_concurrent_requests_are_batched_by_the_engine(base_url, engine):
+    async def many():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"messages": HELLO, "max_tokens": 16}
+            return await asyncio.gather(
+                *(client.post(f"{base_url}/chat/completions", json=body) for _ in range(12))
+            )
+
+    before = engine.batches_run
+    responses = asyncio.run(many())
+    assert [r.status_code for r in responses] == [200] * 12
+    assert engine.batches_run - before < 12
+
+
+def test_tool_call_blocks_become_tool_calls():
+    text, calls = extract_tool_calls(
+        '<think>add them</think><tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+        "</tool_call>"
+    )
+    assert text == "<think>add them</think>"
+    assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
+    only_call, _ = extract_tool_calls('<tool_call>{"name": "f", "arguments": "{}"}</tool_call>')
+    assert only_call is None
+
+
+def test_malformed_tool_call_blocks_stay_text():
+    broken = "<tool_call>{name: add}</tool_call> and <tool_call>[1]</tool_call>"
+    assert extract_tool_calls(broken) == (broken, [])
+
+
+def test_main_names_a_missing_model(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["/no/such/checkpoint", "--device", "cpu"])
+    assert exited.value.code == 2
+    assert "'/no/such/checkpoint' does not exist" in capsys.readouterr().err
+
+
+def test_python_m_rlcore_serve_tiny_answers(rlcore_home):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RLCORE_HOME": str(rlcore_home), "HF_HUB_OFFLINE": "1"}
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlcore.serve",
+            "tiny",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--served-name",
+            "tiny-cli",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                models = httpx.get(f"{url}/models", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "server did not come up in 60s"
+                time.sleep(0.2)
+        assert models.json()["data"][0]["id"] == "tiny-cli"
+        response = chat(url, {"model": "tiny-cli", "messages": HELLO, "max_tokens": 4})
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

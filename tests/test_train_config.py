@@ -1,0 +1,155 @@
+"""Training configs: TOML files, key=value overrides, clear errors, the recipes, the CLI."""
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from rlcore.evaluate import EvalConfig
+from rlcore.train import cli
+from rlcore.train.config import (
+    ConfigError,
+    RLConfig,
+    SFTConfig,
+    SynthConfig,
+    config_schema,
+    field_docs,
+    load_config,
+)
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "tictactoe_tiny"
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_toml_file_with_an_env_args_table_loads_into_the_dataclass(tmp_path):
+    path = write(
+        tmp_path,
+        'env = "tictactoe"\nlr = 0.001\nmax_steps = 7\nresume_from = "ckpt"\n'
+        "[env_args]\nmax_turns = 6\nnum_groups = 2\n",
+    )
+    cfg = load_config(RLConfig, path)
+    assert (cfg.env, cfg.lr, cfg.max_steps, cfg.resume_from) == ("tictactoe", 0.001, 7, "ckpt")
+    assert cfg.env_args == {"max_turns": 6, "num_groups": 2}
+    assert cfg.batch_size == RLConfig().batch_size  # untouched fields keep their defaults
+
+
+def test_overrides_parse_as_json_when_they_can_and_reach_into_tables(tmp_path):
+    path = write(tmp_path, "lr = 0.001\n[env_args]\nmax_turns = 6\n")
+    cfg = load_config(
+        RLConfig,
+        path,
+        [
+            "lr=3e-4",
+            "max_steps=12",
+            "model=runs/sft/final",
+            "scale_rewards=true",
+            "resume_from=null",
+            "env_args.num_groups=3",
+        ],
+    )
+    assert cfg.lr == 3e-4 and cfg.max_steps == 12 and cfg.scale_rewards is True
+    assert cfg.model == "runs/sft/final" and cfg.resume_from is None
+    assert cfg.env_args == {"max_turns": 6, "num_groups": 3}
+    synth = load_config(
+        SynthConfig, None, ['exclude_outcomes=["loss", "unfinished"]', "max_kept=5"]
+    )
+    assert synth.exclude_outcomes == ["loss", "unfinished"] and synth.max_kept == 5
+    assert load_config(SynthConfig, None, ["exclude_outcomes=loss,draw"]).exclude_outcomes == [
+        "loss",
+        "draw",
+    ]
+
+
+def test_an_unknown_key_is_named_with_its_source_and_the_valid_keys(tmp_path):
+    path = write(tmp_path, "learning_rate = 0.1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(SFTConfig, path)
+    message = str(caught.value)
+    assert "'learning_rate'" in message and str(path) in message
+    assert "valid keys: model, dataset, output_dir" in message
+    with pytest.raises(ConfigError, match=r"'epoch'.*override 'epoch=2'"):
+        load_config(SFTConfig, None, ["epoch=2"])
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("lr=fast", r"RLConfig.lr \(from override 'lr=fast'\): expected a number, got 'fast'"),
+        ("max_steps=2.5", "max_steps .*expected an integer, got 2.5"),
+        ("scale_rewards=yes", "scale_rewards .*expected true or false, got 'yes'"),
+        ("env_args=3", "env_args .*expected a table"),
+        ("loss_type=ppo", r"loss_type must be one of \['grpo', 'cispo', 'dr_grpo'\], got 'ppo'"),
+        ("device=tpu", r"device must be one of \['auto', 'cpu', 'cuda'\], got 'tpu'"),
+        ("batch_size=30", r"batch_size \(30\) must be a multiple of rollouts_per_example \(8\)"),
+        ("lr=0", "lr must be > 0, got 0.0"),
+        ("no_equals_sign", "'no_equals_sign' is not of the form key=value"),
+    ],
+)
+def test_bad_values_are_refused_with_what_would_be_accepted(override, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_config(RLConfig, None, [override])
+
+
+def test_contradicting_settings_are_refused():
+    with pytest.raises(ConfigError, match="scale_rewards=true contradicts loss_type='dr_grpo'"):
+        load_config(RLConfig, None, ["loss_type=dr_grpo", "scale_rewards=true"])
+    with pytest.raises(ConfigError, match=r"micro_batch_size \(32\) must not exceed batch_size"):
+        load_config(SFTConfig, None, ["batch_size=16", "micro_batch_size=32"])
+
+
+def test_a_missing_or_broken_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.toml' does not exist"):
+        load_config(RLConfig, tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(RLConfig, write(tmp_path, "lr = = 1\n"))
+
+
+@pytest.mark.parametrize("cls", [SynthConfig, SFTConfig, RLConfig])
+def test_every_field_is_documented_and_to_dict_round_trips(cls):
+    docs = field_docs(cls)
+    assert set(docs) == {f.name for f in fields(cls)}
+    assert all(len(text) > 10 for text in docs.values())
+    cfg = cls()
+    assert cls(**json.loads(json.dumps(cfg.to_dict()))) == cfg
+    schema = {row["name"]: row for row in config_schema(cls)}
+    assert schema["seed"]["type"] == "int" and schema["seed"]["default"] == 0
+    assert schema["output_dir"]["help"] == docs["output_dir"]
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("synth", SynthConfig), ("sft", SFTConfig), ("rl", RLConfig), ("eval", EvalConfig)],
+)
+def test_the_tictactoe_tiny_recipes_load(name, cls):
+    cfg = load_config(cls, RECIPES / f"{name}.toml")
+    assert cfg.env == "tictactoe" if name != "sft" else cfg.model == "tiny"
+    if name == "rl":
+        assert cfg.model == load_config(SFTConfig, RECIPES / "sft.toml").output_dir + "/final"
+        assert cfg.env_args["num_groups"] > 1
+        assert cfg.env_args["min_random_move_prob"] < cfg.env_args["max_random_move_prob"]
+    if name == "sft":
+        assert cfg.dataset.startswith(load_config(SynthConfig, RECIPES / "synth.toml").output_dir)
+
+
+def test_the_cli_runs_synth_from_a_recipe_and_reports_bad_overrides(tmp_path, capsys):
+    out = tmp_path / "synth"
+    code = cli.main(
+        "synth",
+        ["--config", str(RECIPES / "synth.toml"), f"output_dir={out}", "max_kept=3"],
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert f"dataset: {out / 'dataset.jsonl'} (3 kept)" in printed
+    assert json.loads((out / "config.json").read_text())["max_kept"] == 3
+    assert sum(1 for _ in (out / "dataset.jsonl").open()) == 3
+
+    assert cli.main("rl", ["loss_type=ppo"]) == cli.USAGE_ERROR
+    assert "loss_type must be one of" in capsys.readouterr().err
+    assert cli.main("sft", [f"dataset={tmp_path / 'none.jsonl'}", f"output_dir={tmp_path}"]) == 2
+    assert "none.jsonl' does not exist" in capsys.readouterr().err
