@@ -108,6 +108,19 @@ async def test_logprobs_match_a_separate_forward_pass(engine, temperature, top_p
         assert generation.logprobs == pytest.approx(expected, abs=1e-4)
 
 
+async def test_rows_leaving_the_batch_early_do_not_disturb_the_rest(engine):
+    short, long = SamplingParams(max_tokens=2), SamplingParams(max_tokens=12)
+    generations = await asyncio.gather(
+        *(engine.generate(conversation(i), short if i < 20 else long) for i in range(25))
+    )
+    for generation in generations[20:]:
+        stopped = generation.completion_ids[-1] in engine.eos_token_ids
+        assert stopped or generation.completion_tokens == 12
+        expected = reference_logprobs(engine, generation.prompt_ids, generation.completion_ids, 1)
+        assert generation.logprobs == pytest.approx(expected, abs=1e-4)
+    assert all(g.completion_tokens <= 2 for g in generations[:20])
+
+
 async def test_max_tokens_ends_with_length(engine):
     generation = await engine.generate(
         conversation(1), SamplingParams(temperature=0.0, max_tokens=5)

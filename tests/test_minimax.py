@@ -82,7 +82,7 @@ def test_board_helpers_read_lists_and_strings_alike():
     board = ["X", ".", "O", ".", "X", ".", ".", ".", "O"]
     assert empty_cells(board) == [1, 3, 5, 6, 7]
     assert empty_cells("".join(board)) == [1, 3, 5, 6, 7]
-    assert render_board(board) == "X.O\n.X.\n..O"
+    assert render_board(board) == "X1O\n3X5\n67O"
 
 
 @pytest.mark.parametrize("bad_board", ["X" * 8, "XO.XO.XOZ", ["X", "O"], "x........"])

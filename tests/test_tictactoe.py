@@ -169,10 +169,10 @@ def test_prompts_are_short_and_show_the_opponents_opening():
     assert starts.prompt == [
         {
             "role": "system",
-            "content": "You play tic-tac-toe as X. Cells are numbered 0-8, left to right, "
-            "top to bottom. Reply with <think>brief reasoning</think> then <move>N</move>.",
+            "content": "You play tic-tac-toe as X. Empty cells show their number 0-8. "
+            "Reply with <think>brief reasoning</think> then <move>N</move>.",
         },
-        {"role": "user", "content": "...\n...\n...\nYour move."},
+        {"role": "user", "content": "012\n345\n678\nYour move."},
     ]
     second = first_example(env, model_starts=False)
     cell = second.info["opponent_first_move"]
@@ -292,7 +292,7 @@ async def test_invalid_replies_are_explained_counted_and_the_game_goes_on():
     )
     rollout = await env.rollout(policy, example, SAMPLING)
     env_messages = [m["content"] for m in rollout.completion if m["role"] == "user"]
-    empty = "...\n...\n..."
+    empty = "012\n345\n678"
     assert env_messages[0] == f"Invalid move: cell 9 is not in 0-8.\n{empty}\nYour move."
     hint = "Invalid move: reply with <move>N</move>, N in 0-8."
     assert env_messages[1] == f"{hint}\n{empty}\nYour move."

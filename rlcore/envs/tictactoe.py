@@ -94,9 +94,12 @@ def game_over(board: Sequence[str] | str) -> bool:
 
 
 def render_board(board: Sequence[str] | str) -> str:
-    """Three rows of three characters ('X', 'O', '.'), the form every prompt shows."""
+    """Three rows of three characters, the form every prompt shows: 'X', 'O', or the
+    cell's number where it is empty ("X1O" / "3X5" / "678"). Numbering the empty cells in
+    place means a model reads the legal moves off the board instead of counting positions."""
     text = _board_string(board)
-    return "\n".join(text[row : row + 3] for row in (0, 3, 6))
+    cells = [str(i) if mark == EMPTY else mark for i, mark in enumerate(text)]
+    return "\n".join("".join(cells[row : row + 3]) for row in (0, 3, 6))
 
 
 @cache
@@ -235,8 +238,8 @@ def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None
 
 def system_prompt(model_mark: str) -> str:
     return (
-        f"You play tic-tac-toe as {_check_mark(model_mark)}. Cells are numbered 0-8, left to "
-        "right, top to bottom. Reply with <think>brief reasoning</think> then <move>N</move>."
+        f"You play tic-tac-toe as {_check_mark(model_mark)}. Empty cells show their number 0-8. "
+        "Reply with <think>brief reasoning</think> then <move>N</move>."
     )
 
 

@@ -33,6 +33,8 @@ from typing import Any
 from rlcore.policy.base import Policy, PolicyError
 from rlcore.types import Generation, Message, SamplingParams
 
+# The batch size a generation shrinks in steps of as rows finish (see `_sample`).
+ROW_BUCKET = 8
 # A Hugging Face hub id: "name" or "owner/name", letters, digits, dots, dashes, underscores.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -375,12 +377,17 @@ class LocalEngine(Policy):
                     finished[request_index] = True
                 elif len(sampled[request_index]) >= requests[request_index].max_new_tokens:
                     finished[request_index] = True
-            keep = [batch_row for batch_row, i in enumerate(rows) if not finished[i]]
-            if not keep:
+            live = [batch_row for batch_row, i in enumerate(rows) if not finished[i]]
+            if not live:
                 break
-            # Dropping rows copies the whole cache, so finished rows ride along (their samples
-            # ignored) until they are a quarter of the batch.
-            if len(rows) - len(keep) >= max(1, len(rows) // 4):
+            # Finished rows ride along (their samples ignored) until dropping them shrinks the
+            # batch by a quarter: a drop copies the whole cache. The batch shrinks to a multiple
+            # of 8 (topped up with riders) so few distinct shapes occur, since CUDA pays a
+            # first-use cost per new matrix shape.
+            bucket = -(-len(live) // ROW_BUCKET) * ROW_BUCKET
+            if bucket <= len(rows) * 3 // 4:
+                riders = [batch_row for batch_row, i in enumerate(rows) if finished[i]]
+                keep = sorted(live + riders[: bucket - len(live)])
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 tokens, attention_mask, next_position = (
