@@ -11,7 +11,7 @@ One step, as `run_rl` does it from top to bottom:
    generation, never re-tokenized text (`build_sequences`): the loss mask is 1 exactly on
    sampled tokens;
 5. recompute the old logprobs with a no-grad forward pass (and the reference model's, for
-   the KL term), then take `num_iterations` optimizer updates on the masked loss
+   the KL term; with one update and no KL the update's own pass gives them), then take `num_iterations` optimizer updates on the masked loss
    (`policy_loss`: grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
@@ -349,17 +349,37 @@ def update_policy(
     # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
     trainable = [s for s in sequences if s.advantage != 0.0 or with_reference]
+    # With one update and no reference the old logprobs are the current ones: take them
+    # from this very forward pass (ratio exactly 1) instead of a separate no-grad pass,
+    # and measure entropy and the sampling mismatch here, on the sequences trained on.
+    single_pass = cfg.num_iterations == 1 and not with_reference
     policy_sum, kl_sum, clipped_sum, tokens = 0.0, 0.0, 0.0, 0.0
+    entropy_sum, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
     grad_norms, learning_rates = [], []
     for _ in range(cfg.num_iterations):
         for chunk in micro_batches(trainable, cfg.micro_batch_size):
             input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
             width = loss_mask.shape[1]
-            old = padded([s.old_logprobs for s in chunk], width, device)
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
             advantages = torch.tensor([s.advantage for s in chunk], device=device)
             with autocast(device):
-                logprobs, _ = token_logprobs(model, input_ids, attention_mask, cfg.temperature)
+                logprobs, entropy = token_logprobs(
+                    model, input_ids, attention_mask, cfg.temperature, with_entropy=single_pass
+                )
+            if single_pass:
+                old = logprobs.detach()
+                entropy_sum += float((entropy.detach() * loss_mask).sum())
+                for row, sequence in enumerate(chunk):
+                    if sequence.sampled_logprobs is None:
+                        continue
+                    length = len(sequence.input_ids) - 1
+                    sampled = torch.tensor(sequence.sampled_logprobs[1:], device=device)
+                    on_mask = loss_mask[row, :length].bool()
+                    gap = (old[row, :length].float() - sampled).abs()[on_mask]
+                    mismatch_sum += float(gap.sum())
+                    mismatch_tokens += int(on_mask.sum())
+            else:
+                old = padded([s.old_logprobs for s in chunk], width, device)
             loss, stats = policy_loss(
                 logprobs, old, ref, advantages, loss_mask, cfg, normalizer=normalizer
             )
@@ -375,7 +395,13 @@ def update_policy(
         optimizer.zero_grad(set_to_none=True)
     kl = kl_sum / max(tokens, 1.0)
     policy = policy_sum / cfg.num_iterations
-    return {
+    measured = {}
+    if single_pass:
+        measured = {
+            "policy/entropy": entropy_sum / max(tokens, 1.0),
+            "policy/logprob_mismatch": mismatch_sum / max(mismatch_tokens, 1),
+        }
+    return measured | {
         "loss/policy": policy,
         "loss/kl": kl,
         "loss/total": policy + cfg.beta * kl,
@@ -490,9 +516,12 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             completion_tokens = sum(sum(s.loss_mask) for s in sequences)
             normalizer = loss_normalizer(completion_tokens, len(sequences), cfg)
 
-            # 5. Old and reference logprobs, then the masked-loss updates.
+            # 5. Old and reference logprobs (their own no-grad pass only when several updates
+            #    or a KL term need them), then the masked-loss updates.
             pad_id = tokenizer.pad_token_id
-            scored = score_sequences(model, reference, sequences, cfg, pad_id, device)
+            scored = {}
+            if cfg.num_iterations > 1 or reference is not None:
+                scored = score_sequences(model, reference, sequences, cfg, pad_id, device)
             updated = update_policy(
                 model,
                 optimizer,
