@@ -28,6 +28,8 @@ from rlcore.policy.base import PolicyError
 from rlcore.policy.local import LocalEngine
 from rlcore.types import SamplingParams
 
+# OpenAI defaults to the rest of the context; a fixed cap keeps one request that names no
+# limit from holding a batch for thousands of steps.
 DEFAULT_MAX_TOKENS = 1024
 ACCEPTED_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Options that would change what the client gets back; refusing them beats ignoring them.
@@ -300,18 +302,15 @@ def load_engine(model: str, *, device: str = "auto", max_batch_size: int = 64) -
     """The local engine for MODEL: 'tiny' (built on first use), a directory, or a hub id."""
     from rlcore.policy import load_policy
 
-    engine = load_policy(model, device=device)
-    if not isinstance(engine, LocalEngine):
-        raise PolicyError(
-            f"{model!r} is not a local model; serve accepts 'tiny', a checkpoint dir or hub id"
-        )
+    engine = load_policy(model, device=device)  # no base_url and no env: a LocalEngine
     engine.max_batch_size = max_batch_size
     return engine
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m rlcore.serve") -> int:
+    """The command line; `prog` names it in help and errors (`python -m rlcore serve`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m rlcore.serve",
+        prog=prog,
         description="Serve a model over the OpenAI chat-completions API.",
     )
     parser.add_argument("model", help="'tiny', a Hugging Face checkpoint directory, or a hub id")

@@ -4,19 +4,19 @@ requests batched into one generation.
 Rollouts call `await engine.generate(...)` many at a time. Each call renders its prompt
 with the model's chat template and queues it; a background task on the event loop takes
 everything queued (up to `max_batch_size`) and runs one batched generation on the engine's
-worker thread, so the loop keeps collecting the next batch meanwhile. The worker thread
-lives as long as the engine: on CUDA the first generation in any new thread pays about
-two seconds of per-thread set-up, which a thread per call (asyncio.to_thread under a new
-event loop each step) would pay every time. Temperature, top-p,
+worker thread, so the loop keeps collecting the next batch meanwhile. Temperature, top-p,
 max_tokens and seed are per row, so requests with different sampling settings still share
-a batch.
+a batch. The worker thread lives as long as the engine: on CUDA the first generation in a
+new thread pays about two seconds of set-up, which a thread per batch would pay each time.
 
-Generation is a hand-written KV-cache sampling loop rather than `model.generate`: it drops
-finished rows from the batch as it goes and skips generate's per-step processor machinery,
-which dominates for small models on CPU (bench/local_engine.py measures both). It returns
-what a trainer needs: the exact prompt ids, the sampled ids including the final eos (so a
-policy learns to stop), and each sampled token's log-probability under the
-temperature-scaled distribution it was drawn from.
+Generation is a hand-written KV-cache sampling loop rather than `model.generate`. In steady
+state the two run at the same speed (bench/local_engine.py measures both, on CPU and GPU);
+the loop is chosen because it takes per-row sampling settings in one batch, drops finished
+rows as it goes, and computes each token's logprob as it samples, where generate's
+`output_logits` would keep every step's full logits (steps x rows x vocabulary floats:
+gigabytes for a 150k vocabulary). It returns what a trainer needs: the exact prompt ids,
+the sampled ids including the final eos (so a policy learns to stop), and each sampled
+token's log-probability under the temperature-scaled distribution it was drawn from.
 """
 
 from __future__ import annotations
@@ -247,9 +247,7 @@ class LocalEngine(Policy):
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
                 try:
-                    generations = await loop.run_in_executor(
-                        self._worker, self.generate_batch, batch
-                    )
+                    generations = await loop.run_in_executor(self._worker, self._run_batch, batch)
                 except Exception as exc:  # every caller in the batch must hear about it
                     error = (
                         exc
@@ -281,7 +279,7 @@ class LocalEngine(Policy):
                 return
 
     # -- the torch side --------------------------------------------------------------------
-    def generate_batch(self, requests: list[_Request]) -> list[Generation]:
+    def _run_batch(self, requests: list[_Request]) -> list[Generation]:
         """One batched generation (blocking; runs on the worker thread). One at a time: the
         model and its memory are shared with whoever else holds this engine."""
         import torch
@@ -350,6 +348,7 @@ class LocalEngine(Policy):
         )
         generators = [self._row_generator(r.sampling.seed) for r in requests]
         eos = torch.tensor(sorted(self.eos_token_ids), device=device)
+        shrink_at = 0.75 if device == "cpu" else 0.5
 
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
@@ -381,11 +380,13 @@ class LocalEngine(Policy):
             if not live:
                 break
             # Finished rows ride along (their samples ignored) until dropping them shrinks the
-            # batch by a quarter: a drop copies the whole cache. The batch shrinks to a multiple
-            # of 8 (topped up with riders) so few distinct shapes occur, since CUDA pays a
-            # first-use cost per new matrix shape.
+            # batch enough to pay for copying the whole cache: by a quarter on CPU, where a
+            # step costs in proportion to its rows, by half on GPU, where a small batch's step
+            # costs about the same at any size. The batch shrinks to a multiple of 8 (topped
+            # up with riders) so few distinct shapes occur: CUDA pays a first-use cost for
+            # each new matrix shape.
             bucket = -(-len(live) // ROW_BUCKET) * ROW_BUCKET
-            if bucket <= len(rows) * 3 // 4:
+            if bucket <= len(rows) * shrink_at:
                 riders = [batch_row for batch_row, i in enumerate(rows) if finished[i]]
                 keep = sorted(live + riders[: bucket - len(live)])
                 index = torch.tensor(keep, device=device)
