@@ -98,19 +98,20 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-minutes", type=float, default=30.0, help="wall time for synth + SFT + RL together"
     )
     parser.add_argument("--sft-games", type=int, default=200)
-    parser.add_argument("--sft-epochs", type=int, default=12)
+    parser.add_argument("--sft-epochs", type=int, default=40)
     parser.add_argument("--rl-min-p", type=float, default=0.0)
     parser.add_argument("--rl-max-p", type=float, default=1.0)
     parser.add_argument("--rl-batch", type=int, default=64)
     parser.add_argument("--rl-group", type=int, default=8)
-    parser.add_argument("--rl-lr", type=float, default=2e-4)
+    parser.add_argument("--rl-lr", type=float, default=1e-4)
     parser.add_argument("--rl-temperature", type=float, default=1.0)
     parser.add_argument("--rl-loss", default="grpo", choices=["grpo", "cispo", "dr_grpo"])
+    parser.add_argument("--rl-aggregation", default="sequence", choices=["token", "sequence"])
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument("--eval-concurrency", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-turns", type=int, default=8)
+    parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--device", default="auto")
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.rl_batch,
             rollouts_per_example=args.rl_group,
             loss_type=args.rl_loss,
+            loss_aggregation=args.rl_aggregation,
             lr=args.rl_lr,
             temperature=args.rl_temperature,
             max_tokens=args.max_tokens,

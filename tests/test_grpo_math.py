@@ -158,3 +158,20 @@ def test_an_unknown_loss_type_is_refused_by_name():
     cfg.loss_type = "ppo"
     with pytest.raises(ValueError, match="'ppo'"):
         policy_loss(OLD, OLD, None, ADVANTAGES, MASK, cfg)
+
+
+def test_sequence_aggregation_weighs_every_sequence_the_same_whatever_its_length():
+    # Per-token objectives as in the token-level test: first sequence 1.28 and 0.5 (two
+    # tokens, mean 0.89); second sequence -0.8 (one token). Each sequence's own mean,
+    # summed, over the 2 sequences.
+    cfg = config(loss_aggregation="sequence")
+    logprobs = new_logprobs()
+    assert loss_normalizer(3, 2, cfg) == 2.0
+    loss, stats = policy_loss(logprobs, OLD, None, ADVANTAGES, MASK, cfg)
+    assert loss.item() == pytest.approx(-((1.28 + 0.5) / 2 - 0.8) / 2)
+    assert stats["tokens"] == 3.0
+
+
+def test_an_unknown_loss_aggregation_is_refused_by_name():
+    with pytest.raises(ValueError, match="loss_aggregation must be one of"):
+        config(loss_aggregation="rollout").validate()

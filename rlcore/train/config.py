@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 DEVICES = ("auto", "cpu", "cuda")
 LOSS_TYPES = ("grpo", "cispo", "dr_grpo")
 LR_SCHEDULES = ("cosine", "constant")
+LOSS_AGGREGATIONS = ("token", "sequence")
 
 
 class ConfigError(ValueError):
@@ -174,6 +175,11 @@ class RLConfig:
     loss_type: str = "grpo"
     """grpo (clipped ratio, token-level mean), cispo (clipped stop-gradient importance
     weight times logprob), dr_grpo (clipped ratio, sum / (max_tokens * sequences))"""
+    loss_aggregation: str = "token"
+    """grpo and cispo: "token" averages over every completion token of the batch, so a
+    long rollout weighs more than a short one; "sequence" averages each rollout's tokens
+    first, then over rollouts (original GRPO), so every rollout weighs the same: a long
+    failed multi-turn game then cannot outweigh the short wins of its group"""
     scale_rewards: bool = False
     """divide advantages by the group's reward std (original GRPO); not with dr_grpo"""
     clip_eps_low: float = 0.2
@@ -231,6 +237,11 @@ class RLConfig:
             )
         if self.loss_type not in LOSS_TYPES:
             errors.append(f"loss_type must be one of {list(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            errors.append(
+                f"loss_aggregation must be one of {list(LOSS_AGGREGATIONS)}, "
+                f"got {self.loss_aggregation!r}"
+            )
         if self.loss_type == "dr_grpo" and self.scale_rewards:
             errors.append("scale_rewards=true contradicts loss_type='dr_grpo' (no std scaling)")
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:

@@ -117,11 +117,14 @@ def build_sequences(
 
 
 def loss_normalizer(completion_tokens: int, num_sequences: int, cfg: RLConfig) -> float:
-    """What the summed per-token loss of a whole batch is divided by: the number of
-    completion tokens (grpo, cispo: a token-level mean), or the constant
-    max_tokens * num_sequences (dr_grpo: no length bias)."""
+    """What the summed loss of a whole batch is divided by: the number of completion
+    tokens (grpo, cispo with token aggregation: a token-level mean), the number of
+    sequences (sequence aggregation: each sequence's own token mean is summed), or the
+    constant max_tokens * num_sequences (dr_grpo: no length bias)."""
     if cfg.loss_type == "dr_grpo":
         return float(cfg.max_tokens * num_sequences)
+    if cfg.loss_aggregation == "sequence":
+        return float(num_sequences)
     return float(completion_tokens)
 
 
@@ -164,14 +167,19 @@ def policy_loss(
         clipped = clipped_objective < unclipped
     else:
         raise ValueError(f"loss_type must be one of grpo, cispo, dr_grpo; got {cfg.loss_type!r}")
-    policy = (per_token * mask).sum() / normalizer
+    # Per-token weights of the sum: 1 (token and dr_grpo aggregation) or 1 / the
+    # sequence's own token count (sequence aggregation: every sequence weighs the same).
+    weights = mask
+    if cfg.loss_aggregation == "sequence" and cfg.loss_type != "dr_grpo":
+        weights = mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    policy = (per_token * weights).sum() / normalizer
     tokens = float(mask.sum())
     kl_mean = 0.0
     loss = policy
     if ref_logprobs is not None and cfg.beta > 0:
         log_ratio_ref = ref_logprobs - logprobs
         kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased, always >= 0
-        loss = policy + cfg.beta * (kl * mask).sum() / normalizer
+        loss = policy + cfg.beta * (kl * weights).sum() / normalizer
         kl_mean = float((kl * mask).sum().detach()) / max(tokens, 1.0)
     stats = {
         "loss/policy": float(policy.detach()),
