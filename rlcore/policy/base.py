@@ -32,7 +32,7 @@ class Policy(ABC):
     ) -> Generation:
         """One assistant reply to `messages`. `tools` are OpenAI-style JSON tool schemas."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - optional hook; most policies hold nothing
         """Release connections, threads or model memory."""
 
 
