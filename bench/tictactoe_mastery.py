@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-max-p", type=float, default=1.0)
     parser.add_argument("--rl-batch", type=int, default=64)
     parser.add_argument("--rl-group", type=int, default=8)
-    parser.add_argument("--rl-lr", type=float, default=1e-4)
+    parser.add_argument("--rl-lr", type=float, default=3e-5)
     parser.add_argument("--rl-temperature", type=float, default=1.0)
     parser.add_argument("--rl-loss", default="grpo", choices=["grpo", "cispo", "dr_grpo"])
     parser.add_argument("--rl-aggregation", default="sequence", choices=["token", "sequence"])
