@@ -109,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-aggregation", default="sequence", choices=["token", "sequence"])
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
     parser.add_argument("--eval-games", type=int, default=1000)
+    parser.add_argument(
+        "--base-games",
+        type=int,
+        default=200,
+        help="games per opponent for the untrained model, whose every reply "
+        "runs to max tokens; it loses them all either way",
+    )
     parser.add_argument("--eval-concurrency", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=6)
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.budget_minutes, args.eval_games, args.sft_epochs = 2.0, 50, 2
+        args.base_games = 20
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget_s = args.budget_minutes * 60
@@ -216,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for stage, model in stages.items():
         started = time.monotonic()
-        results[stage] = evaluate(model, args.eval_games, args, stage)
+        games = args.base_games if stage == "base" else args.eval_games
+        results[stage] = evaluate(model, games, args, stage)
         times[f"eval_{stage}"] = time.monotonic() - started
 
     report = {
