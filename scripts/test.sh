@@ -24,4 +24,11 @@ fi
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/pytest -q "$@"
+if [ $# -gt 0 ]; then
+  .venv/bin/pytest -q "$@"
+else
+  # Playwright's sync API keeps an event loop running in the main thread for as long as
+  # its browser is open, so the browser tests get a pytest process of their own.
+  .venv/bin/pytest -q -m "not browser"
+  .venv/bin/pytest -q -m browser tests/browser
+fi
