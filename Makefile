@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 
-.PHONY: run test install install-dev bench clean
+.PHONY: run test screenshots install install-dev bench clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ run: install
 
 test: install-dev
 	scripts/test.sh
+
+# Re-take the README's screenshots (the browser tests, writing into docs/screenshots).
+screenshots: install-dev
+	SCREENSHOTS_DIR=$(CURDIR)/docs/screenshots scripts/test.sh -m browser tests/browser
 
 bench: install-dev
 	$(VENV)/bin/python bench/local_engine.py

@@ -6,7 +6,8 @@ page), `uvicorn webapp.asgi:application` on a free port, and a Celery worker on 
 gpu and inference queues, both pointed at that database and at Redis DB 13 (flushed), so
 a `make run` on DB 0 or the web tests on DB 14 are not disturbed. Alice logs in once
 through the login page; each test gets a fresh page with her session, 1280 pixels wide.
-Screenshots go to docs/screenshots/.
+Screenshots go to SCREENSHOTS_DIR (default var/screenshots; `make screenshots` points it
+at docs/screenshots/, the README's pictures).
 
 Settings (environment variables, all optional): BROWSER_PG_URL (server, default
 postgres://postgres@127.0.0.1:5432), BROWSER_DATABASE (default rllab_browser),
@@ -38,7 +39,7 @@ BIN = Path(sys.executable).parent
 PG_URL = os.environ.get("BROWSER_PG_URL", "postgres://postgres@127.0.0.1:5432")
 DATABASE = os.environ.get("BROWSER_DATABASE", "rllab_browser")
 REDIS_URL = os.environ.get("BROWSER_REDIS_URL", "redis://127.0.0.1:6379/13")
-SCREENSHOTS = REPO / "docs" / "screenshots"
+SCREENSHOTS = Path(os.environ.get("SCREENSHOTS_DIR", REPO / "var" / "screenshots"))
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
