@@ -12,7 +12,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from rlcore.envs import ParamError, get_env_class
-from rlcore.train.config import LOSS_TYPES
+from rlcore.train.config import LOSS_AGGREGATIONS, LOSS_TYPES
 from webapp.jobs import services
 from webapp.jobs.models import EnvironmentConfig, ModelEntry
 
@@ -226,6 +226,12 @@ KIND_FIELDS = {
         "batch_size": lambda: _number("batch size (rollouts per step)", minimum=1, maximum=65536),
         "rollouts_per_example": lambda: _number("rollouts per example", minimum=1, maximum=1024),
         "loss_type": lambda: forms.ChoiceField(choices=[(t, t) for t in LOSS_TYPES], label="loss"),
+        "loss_aggregation": lambda: forms.ChoiceField(
+            choices=[(a, a) for a in LOSS_AGGREGATIONS],
+            label="loss aggregation",
+            help_text="sequence: every rollout weighs the same (long failed games cannot "
+            "outweigh their group's wins); token: every completion token does.",
+        ),
         "lr": lambda: _number("learning rate", minimum=1e-9, maximum=1.0, integer=False),
         "temperature": lambda: _number("temperature", minimum=0.01, maximum=5.0, integer=False),
         "max_tokens": lambda: _number("max tokens per reply", minimum=1, maximum=32768),
