@@ -27,21 +27,34 @@ def _may_watch(user, job_id: int) -> bool:
     return jobs.exists()
 
 
-class JobConsumer(AsyncJsonWebsocketConsumer):
+class OwnedGroupConsumer(AsyncJsonWebsocketConsumer):
+    """A one-way socket onto the channel group of one row the user may watch.
+
+    Subclasses name the URL kwarg holding the row's id, how to check access and the group
+    name; refused handshakes close with CLOSE_UNAUTHENTICATED or CLOSE_FORBIDDEN."""
+
+    url_kwarg = "id"
+
+    async def may_watch(self, user, pk: int) -> bool:
+        raise NotImplementedError
+
+    def group_name(self, pk: int) -> str:
+        raise NotImplementedError
+
     async def connect(self):
         user = self.scope.get("user")
         self.group = None
         if user is None or not user.is_authenticated:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
-        if not await _may_watch(user, job_id):
+        pk = int(self.scope["url_route"]["kwargs"][self.url_kwarg])
+        if not await self.may_watch(user, pk):
             await self.close(code=CLOSE_FORBIDDEN)
             return
-        self.group = job_group(job_id)
+        self.group = self.group_name(pk)
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
-        await self.send_json({"type": "hello", "job": job_id})
+        await self.send_json({"type": "hello", self.url_kwarg.removesuffix("_id"): pk})
 
     async def disconnect(self, code):
         if self.group:
@@ -51,6 +64,16 @@ class JobConsumer(AsyncJsonWebsocketConsumer):
         # The socket is one-way; a ping lets the page check the connection is alive.
         if isinstance(content, dict) and content.get("type") == "ping":
             await self.send_json({"type": "pong"})
+
+
+class JobConsumer(OwnedGroupConsumer):
+    url_kwarg = "job_id"
+
+    async def may_watch(self, user, pk: int) -> bool:
+        return await _may_watch(user, pk)
+
+    def group_name(self, pk: int) -> str:
+        return job_group(pk)
 
     async def job_update(self, event):
         await self.send_json(event)
