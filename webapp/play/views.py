@@ -12,7 +12,6 @@ JSON like the jobs API: 401 without a login, 404 for a game that is not yours, 4
 
 from __future__ import annotations
 
-import functools
 import json
 
 from django.contrib import messages
@@ -23,6 +22,7 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
+from webapp.jobs.api import api_view
 from webapp.play import selectors, services
 from webapp.play.forms import MoveForm, NewGameForm
 from webapp.play.models import Game
@@ -161,21 +161,6 @@ def _validation_response(exc: ValidationError) -> JsonResponse:
     return _errors({"__all__": exc.messages})
 
 
-def json_view(view):
-    """Login required (401 JSON, no redirect), 404s as JSON."""
-
-    @functools.wraps(view)
-    def wrapper(request, *args, **kwargs):
-        if not request.user.is_authenticated:
-            return JsonResponse({"error": "authentication required; log in first"}, status=401)
-        try:
-            return view(request, *args, **kwargs)
-        except Http404:
-            return JsonResponse({"error": "not found"}, status=404)
-
-    return wrapper
-
-
 def _body(request) -> dict:
     try:
         body = json.loads(request.body or b"{}")
@@ -187,7 +172,7 @@ def _body(request) -> dict:
 
 
 @require_POST
-@json_view
+@api_view
 def api_games(request):
     """Create a game: {"player": key, "human_mark": "X"|"O", "human_starts": bool}."""
     try:
@@ -207,13 +192,13 @@ def api_games(request):
 
 
 @require_GET
-@json_view
+@api_view
 def api_game(request, pk: int):
     return JsonResponse(selectors.game_for_user(request.user, pk).to_dict())
 
 
 @require_POST
-@json_view
+@api_view
 def api_move(request, pk: int):
     """Play a cell: {"cell": 0-8}. The reply is the game after the move; the model's
     answer follows over the websocket (or by polling the game)."""
@@ -227,7 +212,7 @@ def api_move(request, pk: int):
 
 
 @require_POST
-@json_view
+@api_view
 def api_retry(request, pk: int):
     game = selectors.game_for_user(request.user, pk)
     try:
