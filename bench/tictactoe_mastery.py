@@ -103,10 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-max-p", type=float, default=1.0)
     parser.add_argument("--rl-batch", type=int, default=64)
     parser.add_argument("--rl-group", type=int, default=8)
-    parser.add_argument("--rl-lr", type=float, default=3e-5)
-    parser.add_argument("--rl-temperature", type=float, default=1.0)
+    parser.add_argument("--rl-lr", type=float, default=1e-4)
+    parser.add_argument("--rl-temperature", type=float, default=0.7)
     parser.add_argument("--rl-loss", default="grpo", choices=["grpo", "cispo", "dr_grpo"])
-    parser.add_argument("--rl-aggregation", default="sequence", choices=["token", "sequence"])
+    parser.add_argument("--rl-aggregation", default="turn", choices=["token", "sequence", "turn"])
+    parser.add_argument("--rl-advantage", default="tree", choices=["group", "tree"])
+    parser.add_argument(
+        "--rl-opening-moves",
+        type=int,
+        default=2,
+        help="exploring starts: up to this many random moves of each side open an RL game",
+    )
+    parser.add_argument("--rl-negative-scale", type=float, default=1.0)
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument(
@@ -194,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 **env_args,
                 "min_random_move_prob": args.rl_min_p,
                 "max_random_move_prob": args.rl_max_p,
+                "opening_moves": args.rl_opening_moves,
             },
             output_dir=str(out / "rl"),
             max_steps=args.rl_max_steps,
@@ -201,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             rollouts_per_example=args.rl_group,
             loss_type=args.rl_loss,
             loss_aggregation=args.rl_aggregation,
+            advantage=args.rl_advantage,
+            negative_advantage_scale=args.rl_negative_scale,
             lr=args.rl_lr,
             temperature=args.rl_temperature,
             max_tokens=args.max_tokens,

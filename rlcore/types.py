@@ -66,6 +66,9 @@ class Turn:
     completion_ids: list[int]
     logprobs: list[float] | None = None
     finish_reason: str = "stop"
+    # The env's name for the decision this turn answered (see Environment.decision_key):
+    # turns of one example with equal keys faced the same position. None: no such name.
+    state_key: str | None = None
 
 
 @dataclass

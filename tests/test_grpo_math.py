@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from rlcore.train.config import RLConfig
-from rlcore.train.grpo import group_advantages, loss_normalizer, policy_loss
+from rlcore.train.config import ConfigError, RLConfig
+from rlcore.train.grpo import (
+    group_advantages,
+    loss_normalizer,
+    policy_loss,
+    training_sequences,
+    tree_advantages,
+)
+from rlcore.types import Rollout, Turn
 
 # Two sequences of two tokens; the last token of the second is off the mask.
 OLD = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
@@ -175,3 +182,111 @@ def test_sequence_aggregation_weighs_every_sequence_the_same_whatever_its_length
 def test_an_unknown_loss_aggregation_is_refused_by_name():
     with pytest.raises(ValueError, match="loss_aggregation must be one of"):
         config(loss_aggregation="rollout").validate()
+
+
+# ---------------------------------------------------------------------------------------
+# Per-turn credit: tree advantages, per-token advantages and turn aggregation
+
+
+def rollout(reward: float, *prompts: list[int]) -> Rollout:
+    """A rollout whose turns have these prompts (each turn's completion: one token)."""
+    turns = [Turn(prompt_ids=list(p), completion_ids=[p[-1] + 100]) for p in prompts]
+    return Rollout(
+        example_id=0, seed=0, group=0, messages=[], prompt_len=0, reward=reward, turns=turns
+    )
+
+
+def test_tree_advantages_compare_each_move_with_the_others_tried_in_its_position():
+    # Group 1: from the root [1], two rollouts made the move leading to [1, 10], one the
+    # move leading to [1, 11], one ended the game at once.
+    group = [
+        rollout(1.0, [1], [1, 10]),
+        rollout(0.0, [1], [1, 10]),
+        rollout(1.0, [1], [1, 11]),
+        rollout(0.5, [1]),
+    ]
+    # Group 2: every rollout scored the same: no signal anywhere.
+    flat = [rollout(0.5, [2], [2, 10]), rollout(0.5, [2], [2, 11])] * 2
+    advantages = tree_advantages(group + flat, group_size=4)
+    root = (1.0 + 0.0 + 1.0 + 0.5) / 4
+    shared = (1.0 + 0.0) / 2  # the two rollouts through [1, 10]
+    expected = [
+        [shared - root, 1.0 - shared],
+        [shared - root, 0.0 - shared],
+        [1.0 - root, 0.0],  # [1, 11] was reached once: nothing to compare there
+        [0.5 - root],
+    ]
+    assert [len(turns) for turns in advantages[:4]] == [2, 2, 2, 1]
+    for actual, wanted in zip(advantages[:4], expected, strict=True):
+        assert actual == pytest.approx(wanted)
+    assert advantages[4:] == [[0.0, 0.0]] * 4
+    # A single-turn group is plain GRPO: each reward minus the group's mean.
+    single = [rollout(r, [3]) for r in (1.0, 0.0, 0.5, 0.5)]
+    grpo = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 4, scale=False)
+    assert [a[0] for a in tree_advantages(single, 4)] == pytest.approx(grpo.tolist())
+
+
+def test_tree_advantages_refuse_partial_groups():
+    with pytest.raises(ValueError, match="3 rollouts do not split into groups of 2"):
+        tree_advantages([rollout(0.0, [1])] * 3, group_size=2)
+
+
+@pytest.mark.parametrize(
+    "aggregation, weights",
+    [
+        ("token", [0, 0, 1, 1, 1, 0, 1]),
+        ("sequence", [0, 0, 0.25, 0.25, 0.25, 0, 0.25]),
+        ("turn", [0, 0, 1 / 3, 1 / 3, 1 / 3, 0, 1]),
+    ],
+)
+def test_training_sequences_carry_each_turns_advantage_and_weight(aggregation, weights):
+    two_turns = Rollout(
+        example_id=0,
+        seed=0,
+        group=0,
+        messages=[],
+        prompt_len=0,
+        turns=[
+            Turn(prompt_ids=[1, 2], completion_ids=[3, 4, 5], logprobs=[-0.1, -0.2, -0.3]),
+            Turn(prompt_ids=[1, 2, 3, 4, 5, 6], completion_ids=[7], logprobs=[-0.4]),
+        ],
+    )
+    (sequence,) = training_sequences(two_turns, [0.5, -1.0], aggregation)
+    assert sequence.input_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert sequence.loss_mask == [0, 0, 1, 1, 1, 0, 1]
+    assert sequence.advantages == [0, 0, 0.5, 0.5, 0.5, 0, -1.0]
+    assert sequence.weights == pytest.approx(weights)
+    assert sequence.sampled_logprobs == [0, 0, -0.1, -0.2, -0.3, 0, -0.4]
+    assert sequence.turns == 2
+    with pytest.raises(ValueError, match="1 advantages for a rollout of 2 turns"):
+        training_sequences(two_turns, [0.5], aggregation)
+
+
+def test_turn_aggregation_averages_each_turn_then_over_turns():
+    # One sequence holding two turns: tokens 0-1 are turn A (advantage 1), token 2 turn B
+    # (advantage -2); ratio 1 everywhere, so the loss is -sum(w * A) / turns.
+    cfg = config(loss_aggregation="turn")
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    advantages = torch.tensor([[1.0, 1.0, -2.0]])
+    weights = torch.tensor([[0.5, 0.5, 1.0]])
+    normalizer = loss_normalizer(3, 1, cfg, num_turns=2)
+    assert normalizer == 2.0
+    loss, _ = policy_loss(
+        old.clone().requires_grad_(True),
+        old,
+        None,
+        advantages,
+        mask,
+        cfg,
+        normalizer=normalizer,
+        weights=weights,
+    )
+    assert_close(loss, -((0.5 * 1 + 0.5 * 1) + 1.0 * -2.0) / 2)
+
+
+def test_tree_advantage_config_is_checked():
+    with pytest.raises(ConfigError, match="advantage must be one of"):
+        config(advantage="vine").validate()
+    with pytest.raises(ConfigError, match="scale_rewards=true applies to advantage='group'"):
+        config(advantage="tree", scale_rewards=True).validate()

@@ -257,4 +257,4 @@ async def test_oracle_policy_always_picks_an_oracle_best_move():
         move = int(text.split("<move>")[1].split("</move>")[0])
         assert move in oracle_best_moves(board, to_move)
         empties = " ".join(map(str, empty_cells(board)))
-        assert text == f"<think>Empty: {empties}. Best: {move}.</think><move>{move}</move>"
+        assert text == f"<think>Empty: {empties}.</think><move>{move}</move>"

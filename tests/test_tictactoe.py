@@ -19,6 +19,7 @@ from rlcore.envs.tictactoe import (
     RandomValidPolicy,
     TicTacToeEnv,
     format_reward,
+    game_value,
     is_well_formatted,
     outcome_label,
     parse_move,
@@ -84,6 +85,7 @@ def test_registry_builds_the_env_with_defaults():
         "num_groups": 4,
         "model_mark": "random",
         "max_turns": 10,
+        "opening_moves": 0,
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
     }
@@ -181,6 +183,46 @@ def test_prompts_are_short_and_show_the_opponents_opening():
     assert (
         second.prompt[1]["content"] == f"Opponent played {cell}.\n{render_board(board)}\nYour move."
     )
+
+
+def test_opening_moves_start_examples_mid_game_on_live_boards_the_state_replays():
+    env = TicTacToeEnv(opening_moves=3)
+    examples = list(env.examples(200, seed=4))
+    lengths = Counter(len(example.info["opening"]) for example in examples)
+    # 0 to 3 random rounds of (model move, opponent reply), each drawn in turn.
+    assert set(lengths) <= {0, 2, 4, 6} and len(lengths) == 4
+    for example in examples:
+        state = env.setup_state(example)
+        board = "".join(state["board"])
+        opening = [move for move in state["moves"] if move.get("opening")]
+        assert [move["cell"] for move in opening] == example.info["opening"]
+        assert [move["player"] for move in opening] == ["model", "opponent"] * (len(opening) // 2)
+        assert not env.is_completed([], state) and board.count(".") >= 2
+        # The prompt shows the board the model moves on, after the opponent's last move.
+        assert render_board(board) in example.prompt[-1]["content"]
+        if opening:
+            assert example.prompt[-1]["content"].startswith(
+                f"Opponent played {opening[-1]['cell']}."
+            )
+    # Without openings the examples are exactly the full games they always were.
+    plain = TicTacToeEnv()
+    assert [e.prompt for e in plain.examples(20, seed=4)] == [
+        e.prompt for e in TicTacToeEnv(opening_moves=0).examples(20, seed=4)
+    ]
+    assert all(e.info["opening"] == [] for e in plain.examples(20, seed=4))
+
+
+async def test_games_from_an_opening_finish_and_count_only_the_models_own_turns():
+    env = TicTacToeEnv(opening_moves=4, max_random_move_prob=0.0)
+    examples = list(env.examples(40, seed=0))
+    rollouts = await play_all(env, OraclePolicy(), 40)
+    for example, rollout in zip(examples, rollouts, strict=True):
+        start = env.setup_state(example)
+        # Perfect play against perfect play ends in the start position's game value.
+        value = game_value(start["board"], start["model_mark"])
+        assert rollout.outcome == {1: "win", 0: "draw", -1: "loss"}[value]
+        own = [m for m in rollout.state["moves"] if m["player"] == "model" and not m.get("opening")]
+        assert rollout.state["model_turns"] == len(own) >= 1
 
 
 # ---------------------------------------------------------------------------------------

@@ -231,6 +231,13 @@ class MultiTurnEnv(Environment):
         """Messages the environment appends after a model turn (may be async)."""
         return []
 
+    def decision_key(self, messages: list[Message], state: dict) -> str | None:
+        """A name for the position the model is about to answer, equal for two rollouts of
+        one example exactly when what happens next depends on the same things (so a trainer
+        may compare the moves made there); None (the default) leaves the prompt itself as
+        the position. Tic-tac-toe names the board and the turns used, not the history."""
+        return None
+
     def turn_limit(self) -> int:
         return int(self.config.get("max_turns", self.max_turns))
 
@@ -262,6 +269,7 @@ class MultiTurnEnv(Environment):
                     rollout.truncated = True
                     state["hit_max_turns"] = True
                     break
+                key = self.decision_key(messages, state)
                 generation = await policy.generate(
                     messages, sampling, tools=self.tool_schemas, state=state
                 )
@@ -277,6 +285,7 @@ class MultiTurnEnv(Environment):
                             completion_ids=list(generation.completion_ids),
                             logprobs=generation.logprobs,
                             finish_reason=generation.finish_reason,
+                            state_key=key,
                         )
                     )
                 messages.append(self.assistant_message(generation))
@@ -298,6 +307,13 @@ class SingleTurnEnv(MultiTurnEnv):
     """One prompt, one reply, scored."""
 
     max_turns = 1
+
+    def decision_key(self, messages: list[Message], state: dict) -> str | None:
+        """A name for the position the model is about to answer, equal for two rollouts of
+        one example exactly when what happens next depends on the same things (so a trainer
+        may compare the moves made there); None (the default) leaves the prompt itself as
+        the position. Tic-tac-toe names the board and the turns used, not the history."""
+        return None
 
     def turn_limit(self) -> int:
         return 1

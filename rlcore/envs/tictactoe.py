@@ -273,6 +273,30 @@ def result_for(board: Sequence[str] | str, model_mark: str) -> str | None:
     return "draw" if not empty_cells(board) else None
 
 
+def random_opening(board: list[str], model_mark: str, rounds: int, rng: random.Random) -> list[int]:
+    """Play up to `rounds` random (model move, opponent reply) pairs on `board` in place and
+    return their cells in order. Only pairs after which the game goes on are drawn, so the
+    model always has a live position to move in; it stops early when none is left."""
+    opponent_mark = other_mark(model_mark)
+    cells: list[int] = []
+    for _ in range(rounds):
+        pairs = []
+        for mine in empty_cells(board):
+            after = board[:mine] + [model_mark] + board[mine + 1 :]
+            if game_over(after):
+                continue
+            for theirs in empty_cells(after):
+                final = after[:theirs] + [opponent_mark] + after[theirs + 1 :]
+                if not game_over(final):
+                    pairs.append((mine, theirs))
+        if not pairs:
+            break
+        mine, theirs = rng.choice(pairs)
+        board[mine], board[theirs] = model_mark, opponent_mark
+        cells.extend((mine, theirs))
+    return cells
+
+
 def _play(board: list[str], moves: list[dict], cell: int, mark: str, player: str) -> None:
     board[cell] = mark
     moves.append({"player": player, "mark": mark, "cell": cell})
@@ -359,6 +383,16 @@ class TicTacToeEnv(MultiTurnEnv):
             max=30,
         ),
         Param(
+            "opening_moves",
+            int,
+            0,
+            "Exploring starts for RL: each example first plays up to this many random moves "
+            "of each side (0 to the most, drawn per example), so training sees every phase "
+            "of the game from its first turn. Keep 0 to evaluate full games.",
+            min=0,
+            max=4,
+        ),
+        Param(
             "invalid_move_penalty",
             float,
             0.1,
@@ -412,6 +446,7 @@ class TicTacToeEnv(MultiTurnEnv):
         # Draw every value in a fixed order whatever the config, so fixing the mark does
         # not change who starts or how strong the opponent is.
         strength_draw, mark_draw, start_draw = rng.random(), rng.random(), rng.random()
+        opening_rng = random.Random(stable_seed("opening", ex_seed))
         group = index % self.num_groups
         low, high = self.config["min_random_move_prob"], self.config["max_random_move_prob"]
         bin_width = (high - low) / self.num_groups
@@ -426,9 +461,13 @@ class TicTacToeEnv(MultiTurnEnv):
         if not model_starts:
             first_move = opponent_move(board, other_mark(model_mark), random_move_prob, ex_seed)
             board[first_move] = other_mark(model_mark)
+        opening = random_opening(
+            board, model_mark, opening_rng.randint(0, self.config["opening_moves"]), opening_rng
+        )
+        last_opponent_cell = opening[-1] if opening else first_move
         prompt = [
             {"role": "system", "content": system_prompt(model_mark)},
-            {"role": "user", "content": board_message(board, opponent_cell=first_move)},
+            {"role": "user", "content": board_message(board, opponent_cell=last_opponent_cell)},
         ]
         return Example(
             id=index,
@@ -440,6 +479,7 @@ class TicTacToeEnv(MultiTurnEnv):
                 "model_mark": model_mark,
                 "model_starts": model_starts,
                 "opponent_first_move": first_move,
+                "opening": opening,
             },
         )
 
@@ -460,10 +500,22 @@ class TicTacToeEnv(MultiTurnEnv):
         first_move = example.info["opponent_first_move"]
         if first_move is not None:
             _play(state["board"], state["moves"], first_move, state["opponent_mark"], "opponent")
+        opening = example.info.get("opening", [])
+        for index, cell in enumerate(opening):
+            mark, player = (
+                (model_mark, "model") if index % 2 == 0 else (state["opponent_mark"], "opponent")
+            )
+            _play(state["board"], state["moves"], cell, mark, player)
+            state["moves"][-1]["opening"] = True
         return state
 
     def is_completed(self, messages: list[Message], state: dict) -> bool:
         return game_over(state["board"])
+
+    def decision_key(self, messages: list[Message], state: dict) -> str:
+        """The board and the model turns used: with the opponent seeded by the board, the
+        rest of the game depends on nothing else, whatever was thought on the way."""
+        return f"{''.join(state['board'])}/{state['model_turns']}"
 
     def env_response(self, messages: list[Message], state: dict) -> list[Message]:
         state["model_turns"] += 1
@@ -516,6 +568,17 @@ class TicTacToeEnv(MultiTurnEnv):
 # Built-in players
 
 
+def think_reply(board: Sequence[str] | str, move: int) -> str:
+    """The built-in players' reply: the empty cells read off the board, then the move.
+
+    Listing the empty cells is the reasoning a model copies most easily and the one that
+    keeps its moves legal; the choice itself is left to the move tag alone (a "I pick N."
+    in the think block, decided there and copied into the tag, made SFT'd models play
+    more invalid moves and learn slower under RL: docs/mastery.md)."""
+    empties = " ".join(map(str, empty_cells(board)))
+    return f"<think>Empty: {empties}.</think><move>{move}</move>"
+
+
 class _BoardPolicy(Policy):
     """A player that reads the board and its mark from the tic-tac-toe `state` it is handed.
 
@@ -553,8 +616,7 @@ class OraclePolicy(_BoardPolicy):
     async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
         board, mark, rng = self._board_and_rng(sampling, state)
         move = rng.choice(oracle_best_moves(board, mark))
-        empties = " ".join(map(str, empty_cells(board)))
-        return self._reply(f"<think>Empty: {empties}. Best: {move}.</think><move>{move}</move>")
+        return self._reply(think_reply(board, move))
 
 
 class RandomValidPolicy(_BoardPolicy):
@@ -564,10 +626,8 @@ class RandomValidPolicy(_BoardPolicy):
 
     async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
         board, _, rng = self._board_and_rng(sampling, state)
-        cells = empty_cells(board)
-        move = rng.choice(cells)
-        empties = " ".join(map(str, cells))
-        return self._reply(f"<think>Empty: {empties}. I pick {move}.</think><move>{move}</move>")
+        move = rng.choice(empty_cells(board))
+        return self._reply(think_reply(board, move))
 
 
 # ---------------------------------------------------------------------------------------

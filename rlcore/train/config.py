@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 DEVICES = ("auto", "cpu", "cuda")
 LOSS_TYPES = ("grpo", "cispo", "dr_grpo")
 LR_SCHEDULES = ("cosine", "constant")
-LOSS_AGGREGATIONS = ("token", "sequence")
+LOSS_AGGREGATIONS = ("token", "sequence", "turn")
+ADVANTAGES = ("group", "tree")
 
 
 class ConfigError(ValueError):
@@ -179,7 +180,18 @@ class RLConfig:
     """grpo and cispo: "token" averages over every completion token of the batch, so a
     long rollout weighs more than a short one; "sequence" averages each rollout's tokens
     first, then over rollouts (original GRPO), so every rollout weighs the same: a long
-    failed multi-turn game then cannot outweigh the short wins of its group"""
+    failed multi-turn game then cannot outweigh the short wins of its group; "turn"
+    averages each assistant turn's tokens, then over turns, so every move weighs the same"""
+    advantage: str = "group"
+    """"group": each rollout's reward minus its group's mean, the same for all its turns
+    (GRPO); "tree": per turn, the mean return of the group's rollouts that made the same
+    move in the same position minus the mean of all that reached the position (credit to
+    moves in multi-turn games; see grpo.tree_advantages)"""
+    negative_advantage_scale: float = 1.0
+    """multiplies advantages below 0: 1 is the plain estimator; 0 learns only from moves
+    that did better than their alternatives (filtered behaviour cloning, as RAFT/ReST do);
+    in between damps the pushes down on sampled tokens that destabilise a small model at
+    the higher learning rates that make it learn fast"""
     scale_rewards: bool = False
     """divide advantages by the group's reward std (original GRPO); not with dr_grpo"""
     clip_eps_low: float = 0.2
@@ -242,6 +254,14 @@ class RLConfig:
                 f"loss_aggregation must be one of {list(LOSS_AGGREGATIONS)}, "
                 f"got {self.loss_aggregation!r}"
             )
+        if self.advantage not in ADVANTAGES:
+            errors.append(f"advantage must be one of {list(ADVANTAGES)}, got {self.advantage!r}")
+        if not 0.0 <= self.negative_advantage_scale <= 1.0:
+            errors.append(
+                f"negative_advantage_scale must be in [0, 1], got {self.negative_advantage_scale!r}"
+            )
+        if self.advantage == "tree" and self.scale_rewards:
+            errors.append("scale_rewards=true applies to advantage='group' only")
         if self.loss_type == "dr_grpo" and self.scale_rewards:
             errors.append("scale_rewards=true contradicts loss_type='dr_grpo' (no std scaling)")
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:

@@ -81,6 +81,75 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tor
     return advantages.flatten()
 
 
+def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float]]:
+    """Per-turn advantages from the tree a group's rollouts make: credit to each move.
+
+    Rollouts of one example share their start, and a seeded environment answers the same
+    history the same way, so a group's rollouts form a tree of states: a turn's state is
+    the env's `decision_key` for it (tic-tac-toe: the board), else its prompt (token ids),
+    and the move made there leads to the next turn's state (or, on the last turn, to the
+    end). Keys merge rollouts that reached one position by different texts. Turn t of a rollout gets
+    mean(return of the rollouts through the state its move led to)
+    - mean(return of the rollouts through the state it was made in),
+    a Monte Carlo Q(s, a) - V(s): the move is compared with the other moves tried in that
+    very position, not the whole game with the whole group. A state only one rollout
+    reached has nothing to compare with: its turn gets 0. On its first turn every rollout
+    of a group shares the state, so that turn's advantage is exactly `group_advantages`'
+    (unscaled); the last turn's is the rollout's return minus its state's mean.
+    """
+    if len(rollouts) % group_size:
+        raise ValueError(f"{len(rollouts)} rollouts do not split into groups of {group_size}")
+    advantages: list[list[float]] = []
+    for start in range(0, len(rollouts), group_size):
+        group = rollouts[start : start + group_size]
+        totals: dict[tuple, list[float]] = {}  # node -> [sum of returns, count]
+        paths = []
+        for index, rollout in enumerate(group):
+            states = [("state", turn.state_key or tuple(turn.prompt_ids)) for turn in rollout.turns]
+            children = states[1:] + [("end", index)]
+            paths.append(list(zip(states, children, strict=True)))
+            for node in set(states) | set(children):
+                total = totals.setdefault(node, [0.0, 0])
+                total[0] += rollout.reward
+                total[1] += 1
+        for path in paths:
+            advantages.append(
+                [
+                    totals[child][0] / totals[child][1] - totals[state][0] / totals[state][1]
+                    if totals[state][1] > 1
+                    else 0.0
+                    for state, child in path
+                ]
+            )
+    return advantages
+
+
+def _assemble(rollout: Rollout) -> list[tuple[list[int], list[int], list[float] | None, list[int]]]:
+    """The sequences of `build_sequences`, each with the turn index of every token
+    (-1 off the loss mask)."""
+    sequences: list[tuple[list[int], list[int], list[float] | None, list[int]]] = []
+    for index, turn in enumerate(rollout.turns):
+        if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
+            input_ids, loss_mask, logprobs, turn_ids = sequences[-1]
+            new_prompt = turn.prompt_ids[len(input_ids) :]
+        else:
+            input_ids, loss_mask, logprobs, turn_ids = [], [], [], []
+            sequences.append((input_ids, loss_mask, logprobs, turn_ids))
+            new_prompt = turn.prompt_ids
+        input_ids.extend(new_prompt)
+        loss_mask.extend([0] * len(new_prompt))
+        turn_ids.extend([-1] * len(new_prompt))
+        input_ids.extend(turn.completion_ids)
+        loss_mask.extend([1] * len(turn.completion_ids))
+        turn_ids.extend([index] * len(turn.completion_ids))
+        if logprobs is not None:
+            logprobs.extend([0.0] * len(new_prompt))
+            logprobs.extend(turn.logprobs or [])
+            if turn.logprobs is None:
+                sequences[-1] = (input_ids, loss_mask, None, turn_ids)
+    return sequences
+
+
 def build_sequences(
     rollout: Rollout, *, with_logprobs: bool = False
 ) -> list[tuple[list[int], list[int]]] | list[tuple[list[int], list[int], list[float] | None]]:
@@ -93,38 +162,70 @@ def build_sequences(
     `with_logprobs` each tuple also holds the generation-time logprob of every token (0 off
     the mask), or None when the backend gave none.
     """
-    sequences: list[tuple[list[int], list[int], list[float] | None]] = []
-    for turn in rollout.turns:
-        if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
-            input_ids, loss_mask, logprobs = sequences[-1]
-            new_prompt = turn.prompt_ids[len(input_ids) :]
-        else:
-            input_ids, loss_mask, logprobs = [], [], []
-            sequences.append((input_ids, loss_mask, logprobs))
-            new_prompt = turn.prompt_ids
-        input_ids.extend(new_prompt)
-        loss_mask.extend([0] * len(new_prompt))
-        input_ids.extend(turn.completion_ids)
-        loss_mask.extend([1] * len(turn.completion_ids))
-        if logprobs is not None:
-            logprobs.extend([0.0] * len(new_prompt))
-            logprobs.extend(turn.logprobs or [])
-            if turn.logprobs is None:
-                sequences[-1] = (input_ids, loss_mask, None)
+    sequences = _assemble(rollout)
     if with_logprobs:
-        return sequences
-    return [(input_ids, loss_mask) for input_ids, loss_mask, _ in sequences]
+        return [(input_ids, mask, logprobs) for input_ids, mask, logprobs, _ in sequences]
+    return [(input_ids, mask) for input_ids, mask, _, _ in sequences]
 
 
-def loss_normalizer(completion_tokens: int, num_sequences: int, cfg: RLConfig) -> float:
+def training_sequences(
+    rollout: Rollout, turn_advantages: list[float], aggregation: str
+) -> list[TrainingSequence]:
+    """`build_sequences` of one rollout as TrainingSequences: every sampled token carries
+    its turn's advantage and its weight in the loss's sum, 1 (token aggregation),
+    1 / the sequence's sampled tokens (sequence) or 1 / its turn's sampled tokens (turn)."""
+    if len(turn_advantages) != len(rollout.turns):
+        raise ValueError(
+            f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
+        )
+    result = []
+    for input_ids, loss_mask, logprobs, turn_ids in _assemble(rollout):
+        turn_sizes: dict[int, int] = {}
+        for turn in turn_ids:
+            if turn >= 0:
+                turn_sizes[turn] = turn_sizes.get(turn, 0) + 1
+        sampled = max(sum(loss_mask), 1)
+        advantages, weights = [], []
+        for turn in turn_ids:
+            if turn < 0:
+                advantages.append(0.0)
+                weights.append(0.0)
+                continue
+            advantages.append(turn_advantages[turn])
+            if aggregation == "sequence":
+                weights.append(1.0 / sampled)
+            elif aggregation == "turn":
+                weights.append(1.0 / turn_sizes[turn])
+            else:
+                weights.append(1.0)
+        result.append(
+            TrainingSequence(
+                input_ids,
+                loss_mask,
+                advantages,
+                logprobs,
+                weights=weights,
+                turns=len(turn_sizes),
+            )
+        )
+    return result
+
+
+def loss_normalizer(
+    completion_tokens: int, num_sequences: int, cfg: RLConfig, num_turns: int | None = None
+) -> float:
     """What the summed loss of a whole batch is divided by: the number of completion
     tokens (grpo, cispo with token aggregation: a token-level mean), the number of
-    sequences (sequence aggregation: each sequence's own token mean is summed), or the
-    constant max_tokens * num_sequences (dr_grpo: no length bias)."""
+    sequences (sequence aggregation: each sequence's own token mean is summed), the number
+    of assistant turns (turn aggregation: each turn's own token mean is summed; one turn
+    per sequence if not given), or the constant max_tokens * num_sequences (dr_grpo: no
+    length bias)."""
     if cfg.loss_type == "dr_grpo":
         return float(cfg.max_tokens * num_sequences)
     if cfg.loss_aggregation == "sequence":
         return float(num_sequences)
+    if cfg.loss_aggregation == "turn":
+        return float(num_sequences if num_turns is None else num_turns)
     return float(completion_tokens)
 
 
@@ -137,6 +238,7 @@ def policy_loss(
     cfg: RLConfig,
     *,
     normalizer: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The masked loss of `cfg.loss_type` on per-token logprobs of shape [sequences, tokens].
 
@@ -145,6 +247,9 @@ def policy_loss(
     keeps a gradient, however far its ratio moved. The sum over masked tokens is divided by
     `normalizer` (default: this batch's `loss_normalizer`); pass the whole batch's value
     when this is one micro-batch of it, so accumulated gradients equal the full batch's.
+    `advantages` is one value per sequence [sequences] or per token [sequences, tokens];
+    `weights` [sequences, tokens], when given, weighs each token in the sum instead of the
+    aggregation's own rule (it is what `training_sequences` computed).
     With `cfg.beta` > 0 the k3 estimate of KL(policy || reference) per token, normalized
     the same way, is added times beta. Stats: `loss/policy`, `loss/kl` (mean per token),
     `policy/clip_fraction` (share of tokens whose clip was active), `tokens`.
@@ -169,9 +274,12 @@ def policy_loss(
         raise ValueError(f"loss_type must be one of grpo, cispo, dr_grpo; got {cfg.loss_type!r}")
     # Per-token weights of the sum: 1 (token and dr_grpo aggregation) or 1 / the
     # sequence's own token count (sequence aggregation: every sequence weighs the same).
-    weights = mask
-    if cfg.loss_aggregation == "sequence" and cfg.loss_type != "dr_grpo":
+    if weights is not None:
+        weights = weights.to(logprobs.dtype) * mask
+    elif cfg.loss_aggregation == "sequence" and cfg.loss_type != "dr_grpo":
         weights = mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    else:
+        weights = mask
     policy = (per_token * weights).sum() / normalizer
     tokens = float(mask.sum())
     kl_mean = 0.0
@@ -221,8 +329,10 @@ class TrainingSequence:
 
     input_ids: list[int]
     loss_mask: list[int]
-    advantage: float
+    advantages: list[float]  # per token: its turn's advantage (0 off the mask)
     sampled_logprobs: list[float] | None  # at generation time, per token (0 off the mask)
+    weights: list[float] | None = None  # per token, in the loss's sum (None: the mask)
+    turns: int = 1  # assistant turns in this sequence
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
 
@@ -356,7 +466,7 @@ def update_policy(
     of `policy_loss` over length-sorted micro-batches; returns the loss statistics."""
     # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
-    trainable = [s for s in sequences if s.advantage != 0.0 or with_reference]
+    trainable = [s for s in sequences if any(s.advantages) or with_reference]
     # With one update and no reference the old logprobs are the current ones: take them
     # from this very forward pass (ratio exactly 1) instead of a separate no-grad pass,
     # and measure entropy and the sampling mismatch here, on the sequences trained on.
@@ -369,7 +479,14 @@ def update_policy(
             input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
             width = loss_mask.shape[1]
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
-            advantages = torch.tensor([s.advantage for s in chunk], device=device)
+            advantages = padded(
+                [torch.tensor(s.advantages[1:], dtype=torch.float32) for s in chunk], width, device
+            )
+            weights = padded(
+                [torch.tensor((s.weights or s.loss_mask)[1:], dtype=torch.float32) for s in chunk],
+                width,
+                device,
+            )
             with autocast(device):
                 logprobs, entropy = token_logprobs(
                     model, input_ids, attention_mask, cfg.temperature, with_entropy=single_pass
@@ -389,7 +506,14 @@ def update_policy(
             else:
                 old = padded([s.old_logprobs for s in chunk], width, device)
             loss, stats = policy_loss(
-                logprobs, old, ref, advantages, loss_mask, cfg, normalizer=normalizer
+                logprobs,
+                old,
+                ref,
+                advantages,
+                loss_mask,
+                cfg,
+                normalizer=normalizer,
+                weights=weights,
             )
             loss.backward()
             policy_sum += stats["loss/policy"]
@@ -509,20 +633,36 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             rollout_seconds = time.monotonic() - step_started
             train_started = time.monotonic()
 
-            # 3. Group advantages from the rubric's rewards.
+            # 3. Advantages from the rubric's rewards: one per rollout against its group's
+            #    mean, or one per turn against the other moves tried in the same position.
             rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-            advantages = group_advantages(rewards, cfg.rollouts_per_example, cfg.scale_rewards)
+            if cfg.advantage == "tree":
+                turn_advantages = tree_advantages(rollouts, cfg.rollouts_per_example)
+            else:
+                advantages = group_advantages(
+                    rewards, cfg.rollouts_per_example, cfg.scale_rewards
+                ).tolist()
+                turn_advantages = [
+                    [value] * len(r.turns) for r, value in zip(rollouts, advantages, strict=True)
+                ]
+            if cfg.negative_advantage_scale != 1.0:
+                turn_advantages = [
+                    [a if a >= 0 else a * cfg.negative_advantage_scale for a in turns]
+                    for turns in turn_advantages
+                ]
+            flat_advantages = torch.tensor([a for turns in turn_advantages for a in turns] or [0.0])
 
             # 4. Training sequences: the sampled token ids, loss only on sampled tokens.
+            aggregation = "token" if cfg.loss_type == "dr_grpo" else cfg.loss_aggregation
             sequences = [
-                TrainingSequence(input_ids, loss_mask, advantage, sampled_logprobs)
-                for rollout, advantage in zip(rollouts, advantages.tolist(), strict=True)
-                for input_ids, loss_mask, sampled_logprobs in build_sequences(
-                    rollout, with_logprobs=True
-                )
+                sequence
+                for rollout, advantages in zip(rollouts, turn_advantages, strict=True)
+                for sequence in training_sequences(rollout, advantages, aggregation)
             ]
             completion_tokens = sum(sum(s.loss_mask) for s in sequences)
-            normalizer = loss_normalizer(completion_tokens, len(sequences), cfg)
+            normalizer = loss_normalizer(
+                completion_tokens, len(sequences), cfg, sum(s.turns for s in sequences)
+            )
 
             # 5. Old and reference logprobs (their own no-grad pass only when several updates
             #    or a KL term need them), then the masked-loss updates.
@@ -555,7 +695,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             metrics.update(
                 {
                     "advantage/zero_group_rate": float((groups.std(dim=1) == 0).float().mean()),
-                    "advantage/abs_mean": float(advantages.abs().mean()),
+                    "advantage/abs_mean": float(flat_advantages.abs().mean()),
+                    "advantage/zero_turn_rate": float((flat_advantages == 0).float().mean()),
                     # Tokens through the trainer (prompts included) per second of the step.
                     "perf/tokens_per_s": sum(len(s.input_ids) for s in sequences) / step_seconds,
                     "perf/step_seconds": step_seconds,

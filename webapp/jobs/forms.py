@@ -12,7 +12,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from rlcore.envs import ParamError, get_env_class
-from rlcore.train.config import LOSS_AGGREGATIONS, LOSS_TYPES
+from rlcore.train.config import ADVANTAGES, LOSS_AGGREGATIONS, LOSS_TYPES
 from webapp.jobs import services
 from webapp.jobs.models import EnvironmentConfig, ModelEntry
 
@@ -36,7 +36,8 @@ class ServiceErrorsMixin:
 
 def _param_field(param: dict) -> forms.Field:
     """The form field for one schema entry: numbers with min/max, choices as a select,
-    bools as a checkbox, the parameter's help text under it."""
+    bools as a checkbox, the parameter's help text under it. A number left blank takes the
+    parameter's default (so a post from before a parameter existed still validates)."""
     common = {"label": param["name"], "help_text": param["help"], "initial": param["default"]}
     kind = param["type"]
     if param.get("choices"):
@@ -48,9 +49,12 @@ def _param_field(param: dict) -> forms.Field:
     if kind == "bool":
         return forms.BooleanField(required=False, **common)
     if kind == "int":
-        return forms.IntegerField(min_value=param.get("min"), max_value=param.get("max"), **common)
+        return forms.IntegerField(
+            required=False, min_value=param.get("min"), max_value=param.get("max"), **common
+        )
     if kind == "float":
         return forms.FloatField(
+            required=False,
             min_value=param.get("min"),
             max_value=param.get("max"),
             widget=forms.NumberInput(attrs={"step": "any"}),
@@ -83,7 +87,11 @@ class EnvConfigForm(ServiceErrorsMixin, forms.Form):
         return [self[PARAM_PREFIX + p["name"]] for p in self.schema]
 
     def params(self) -> dict:
-        return {p["name"]: self.cleaned_data.get(PARAM_PREFIX + p["name"]) for p in self.schema}
+        values = {p["name"]: self.cleaned_data.get(PARAM_PREFIX + p["name"]) for p in self.schema}
+        return {
+            p["name"]: p["default"] if values[p["name"]] is None else values[p["name"]]
+            for p in self.schema
+        }
 
     def clean(self):
         cleaned = super().clean()
@@ -230,7 +238,14 @@ KIND_FIELDS = {
             choices=[(a, a) for a in LOSS_AGGREGATIONS],
             label="loss aggregation",
             help_text="sequence: every rollout weighs the same (long failed games cannot "
-            "outweigh their group's wins); token: every completion token does.",
+            "outweigh their group's wins); turn: every move does; token: every completion "
+            "token does.",
+        ),
+        "advantage": lambda: forms.ChoiceField(
+            choices=[(a, a) for a in ADVANTAGES],
+            label="advantage",
+            help_text="group: a rollout's reward minus its group's mean (GRPO); tree: per "
+            "move, against the other moves the group tried in the same position.",
         ),
         "lr": lambda: _number("learning rate", minimum=1e-9, maximum=1.0, integer=False),
         "temperature": lambda: _number("temperature", minimum=0.01, maximum=5.0, integer=False),
