@@ -50,9 +50,22 @@ class DeadlineSink(ConsoleSink):
     def __init__(self, deadline: float, metric_keys: list[str]):
         super().__init__(metric_keys=metric_keys)
         self.deadline = deadline
+        self.first_progress: tuple[float, int] | None = None
 
     def should_stop(self) -> bool:
         return time.monotonic() >= self.deadline
+
+    def progress(self, done: int, total: int, desc: str = "") -> None:
+        """The bar's total is the steps the budget leaves room for at the rate so far, not
+        the (unreachable) step limit, so its ETA is the deadline's."""
+        now = time.monotonic()
+        if self.first_progress is None:
+            self.first_progress = (now, done)
+        started, first_done = self.first_progress
+        if done > first_done and done < total:
+            per_step = (now - started) / (done - first_done)
+            total = min(total, done + max(1, round((self.deadline - now) / per_step)))
+        super().progress(done, total, desc)
 
 
 def evaluate(model: str, games: int, args, label: str) -> dict:

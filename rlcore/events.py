@@ -90,7 +90,10 @@ class ConsoleSink(NullSink):
     def _ensure_bar(self, total: int, desc: str):
         from tqdm import tqdm
 
-        if self._bar is None or self._bar_desc != desc or self._bar.total != total:
+        if self._bar is not None and self._bar_desc == desc and self._bar.total != total:
+            self._bar.total = total  # the same work, re-estimated: keep the bar and its rate
+            return self._bar
+        if self._bar is None or self._bar_desc != desc:
             if self._bar is not None:
                 self._bar.close()
             self._bar = tqdm(total=total, desc=desc or None, file=self.stream, dynamic_ncols=True)

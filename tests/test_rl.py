@@ -317,6 +317,34 @@ def test_tictactoe_training_reports_env_metrics_and_mixes_groups(tiny_model, tmp
     assert sorted(groups) == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+def test_tree_advantages_run_on_tictactoe_with_positions_named_by_the_board(tiny_model, tmp_path):
+    cfg = rl_config(
+        tiny_model,
+        tmp_path,
+        env="tictactoe",
+        env_args={"max_turns": 2, "num_groups": 2, "opening_moves": 2},
+        advantage="tree",
+        loss_aggregation="turn",
+        max_steps=1,
+    )
+    sink = RecordingSink()
+    run_rl(cfg, sink)
+    ((_, metrics),) = sink.metrics
+    rollouts = sink.rollout_batches[0][1]
+    # Every turn carries the env's name for its position: the board and the turns used
+    # (invalid replies leave the board as the opening set it).
+    assert any(rollout.info["opening"] for rollout in rollouts)
+    for rollout in rollouts:
+        board = "".join(rollout.state["board"])
+        assert [turn.state_key for turn in rollout.turns] == [
+            f"{board}/{index}" for index in range(len(rollout.turns))
+        ]
+    # The untrained model replies invalidly every time, so all rollouts of an example
+    # stay on one board: the same positions, the same return, no advantage anywhere.
+    assert metrics["advantage/zero_turn_rate"] == 1.0
+    assert metrics["optim/grad_norm"] == 0.0
+
+
 def test_a_stop_request_saves_a_checkpoint_at_the_last_finished_step(tiny_model, tmp_path):
     class StopAfterFirstStep(RecordingSink):
         def should_stop(self) -> bool:

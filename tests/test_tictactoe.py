@@ -212,6 +212,29 @@ def test_opening_moves_start_examples_mid_game_on_live_boards_the_state_replays(
     assert all(e.info["opening"] == [] for e in plain.examples(20, seed=4))
 
 
+async def test_the_decision_key_names_the_board_and_the_turns_used_not_the_history():
+    env = TicTacToeEnv(model_mark="X", max_random_move_prob=0.0)
+    example = first_example(env, model_starts=True)
+    state = env.setup_state(example)
+    assert env.decision_key(example.prompt, state) == "........./0"
+    # Two different thoughts, the same move: the same position follows.
+    keys = []
+    for thought in ("corner", "take the corner, it is strong"):
+        state = env.setup_state(example)
+        messages = [
+            *example.prompt,
+            {"role": "assistant", "content": f"<think>{thought}</think><move>0</move>"},
+        ]
+        messages += env.env_response(messages, state)
+        keys.append(env.decision_key(messages, state))
+    assert keys[0] == keys[1] and keys[0].startswith("X") and keys[0].endswith("/1")
+    # An invalid reply leaves the board but uses a turn: a different position.
+    state = env.setup_state(example)
+    messages = [*example.prompt, {"role": "assistant", "content": "<move>9</move>"}]
+    env.env_response(messages, state)
+    assert env.decision_key(messages, state) == "........./1"
+
+
 async def test_games_from_an_opening_finish_and_count_only_the_models_own_turns():
     env = TicTacToeEnv(opening_moves=4, max_random_move_prob=0.0)
     examples = list(env.examples(40, seed=0))

@@ -85,17 +85,18 @@ def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float
     """Per-turn advantages from the tree a group's rollouts make: credit to each move.
 
     Rollouts of one example share their start, and a seeded environment answers the same
-    history the same way, so a group's rollouts form a tree of states: a turn's state is
-    the env's `decision_key` for it (tic-tac-toe: the board), else its prompt (token ids),
-    and the move made there leads to the next turn's state (or, on the last turn, to the
-    end). Keys merge rollouts that reached one position by different texts. Turn t of a rollout gets
-    mean(return of the rollouts through the state its move led to)
-    - mean(return of the rollouts through the state it was made in),
+    history the same way, so a group's rollouts form a tree of states. A turn's state is
+    the env's `decision_key` for it (tic-tac-toe: board and turns used), else its prompt
+    (token ids); keys merge rollouts that reached one position through different texts.
+    The move made there leads to the next turn's state, or on the last turn to the end.
+    Turn t of a rollout gets
+        mean(return of the rollouts through the state its move led to)
+        - mean(return of the rollouts through the state it was made in),
     a Monte Carlo Q(s, a) - V(s): the move is compared with the other moves tried in that
     very position, not the whole game with the whole group. A state only one rollout
-    reached has nothing to compare with: its turn gets 0. On its first turn every rollout
-    of a group shares the state, so that turn's advantage is exactly `group_advantages`'
-    (unscaled); the last turn's is the rollout's return minus its state's mean.
+    reached has nothing to compare with: its turn gets 0. The last turn's advantage is the
+    rollout's return minus its state's mean, so for single-turn rollouts this is exactly
+    `group_advantages` (unscaled).
     """
     if len(rollouts) % group_size:
         raise ValueError(f"{len(rollouts)} rollouts do not split into groups of {group_size}")

@@ -129,6 +129,21 @@ def test_job_form_defaults_come_from_the_kind(alice):
     assert form.fields["loss_type"].initial in ("grpo", "cispo", "dr_grpo")
     assert "beta" in form.fields and "save_every" in form.fields
     assert "num_examples" not in form.fields
+    # The recipe's credit assignment is the form's default; both estimators are offered.
+    assert form.fields["advantage"].initial == "tree"
+    assert [value for value, _ in form.fields["advantage"].choices] == ["group", "tree"]
+    assert form.fields["loss_aggregation"].initial == "turn"
+
+
+def test_env_form_leaves_a_blank_number_at_its_default():
+    data = {"name": "defaults", "param_max_turns": "", "param_min_random_move_prob": "0.1",
+            "param_max_random_move_prob": "0.9", "param_num_groups": "4", "param_model_mark": "X",
+            "param_invalid_move_penalty": "0.1", "param_invalid_penalty_cap": "0.5"}  # fmt: skip
+    form = EnvConfigForm(data, env_name="tictactoe")
+    assert form.is_valid(), form.errors
+    assert form.params()["max_turns"] == 10 and form.params()["opening_moves"] == 0
+    bad = EnvConfigForm({**data, "param_opening_moves": "9"}, env_name="tictactoe")
+    assert not bad.is_valid() and "param_opening_moves" in bad.errors
 
 
 def test_job_form_reports_missing_and_out_of_range_fields(alice, ttt_config, tiny):

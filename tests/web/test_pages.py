@@ -81,6 +81,8 @@ def test_the_job_form_has_a_tab_per_kind_with_recipe_defaults(alice_client, ttt_
         "batch_size",
         "rollouts_per_example",
         "loss_type",
+        "advantage",
+        "loss_aggregation",
         "lr",
         "beta",
         "save_every",

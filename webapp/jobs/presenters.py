@@ -52,7 +52,9 @@ def present_messages(messages: list[dict], prompt_len: int = 0) -> list[dict]:
 
 
 def board_frames(state: dict) -> list[dict]:
-    """The tic-tac-toe board after each move in `state["moves"]` (empty if not a board game)."""
+    """The tic-tac-toe board after each move in `state["moves"]` (empty if not a board game);
+    moves of a random opening (the env's `opening_moves`, played before the model took
+    over) are flagged so the page does not show them as the model's choices."""
     moves = state.get("moves")
     if not isinstance(moves, list):
         return []
@@ -70,6 +72,7 @@ def board_frames(state: dict) -> list[dict]:
                 "player": move.get("player", ""),
                 "mark": move.get("mark", ""),
                 "cell": cell,
+                "opening": bool(move.get("opening")),
                 "rows": [
                     [{"mark": board[i], "last": i == cell} for i in range(r, r + 3)]
                     for r in (0, 3, 6)
