@@ -28,7 +28,7 @@ from rlcore.envs import Environment, ParamError, load_environment
 from rlcore.events import EventSink, NullSink
 from rlcore.policy import Policy, PolicyError, load_policy
 from rlcore.rollout import run_rollouts
-from rlcore.types import Example, Rollout, SamplingParams
+from rlcore.types import Example, Rollout, SamplingParams, jsonl_line
 
 # z for a two-sided 95% interval
 WILSON_Z = 1.959963984540054
@@ -516,7 +516,7 @@ def _now() -> str:
 def _write_jsonl(path: Path, rollouts: list[Rollout]) -> None:
     with path.open("w", encoding="utf-8") as handle:
         for rollout in rollouts:
-            handle.write(json.dumps(rollout.to_dict(), ensure_ascii=False, default=str) + "\n")
+            handle.write(jsonl_line(rollout.to_dict()))
 
 
 async def arun_eval(

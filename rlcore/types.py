@@ -4,10 +4,24 @@ turned into JSON with `to_dict()` so the CLI, the workers and the web share one 
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 Message = dict[str, Any]
+
+# Characters JSON leaves raw (with ensure_ascii=False) that str.splitlines(), and so many
+# JSONL readers, take for line ends; models, untrained ones above all, do write them.
+_LINE_BREAKING = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def jsonl_line(value: Any) -> str:
+    """One JSONL line (newline included): readable text for any language, with every
+    character a line splitter could break on escaped, so each record stays on its line."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    for raw, escaped in _LINE_BREAKING.items():
+        text = text.replace(raw, escaped)
+    return text + "\n"
 
 
 @dataclass

@@ -25,7 +25,7 @@ from rlcore.events import RecordingSink
 from rlcore.parsers import XMLParser
 from rlcore.policy import ConstantPolicy, Policy
 from rlcore.rubric import Rubric
-from rlcore.types import Example, Generation, Rollout
+from rlcore.types import Example, Generation, Rollout, jsonl_line
 
 # ---------------------------------------------------------------------------------------
 # A small single-turn environment: say whether a number is even or odd.
@@ -489,3 +489,12 @@ def test_tictactoe_baselines_do_not_flag_the_verifier_as_exploitable():
     assert constant < result.baselines["random"]["reward"]["mean"]
     assert constant < result.baselines["oracle"]["reward"]["mean"]
     assert "verifier may be exploitable" not in format_summary(result.summary, result.baselines)
+
+
+def test_jsonl_lines_keep_every_record_on_one_line_for_any_line_splitter():
+    # Characters an untrained model writes that str.splitlines() breaks lines on.
+    text = "a\x85b\u2028c\u2029d\x1ce\nf é ✓"
+    line = jsonl_line({"content": text})
+    assert line.endswith("\n") and len(line.splitlines()) == 1
+    assert json.loads(line) == {"content": text}
+    assert "é ✓" in line  # other text stays readable

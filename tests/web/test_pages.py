@@ -109,7 +109,7 @@ def test_submitting_the_job_form_queues_a_job(
 
 def test_job_form_errors_are_shown(alice_client, ttt_config, oracle):
     data = {"kind": "rl", "env_config": ttt_config.pk, "model": oracle.pk, "device": "auto", "seed": "0",
-            "max_steps": "2", "batch_size": "4", "rollouts_per_example": "2", "loss_type": "grpo", "loss_aggregation": "sequence",
+            "max_steps": "2", "batch_size": "4", "rollouts_per_example": "2", "loss_type": "grpo", "loss_aggregation": "sequence", "advantage": "group",
             "lr": "0.0001", "temperature": "1", "max_tokens": "24", "save_every": "0", "beta": "0"}  # fmt: skip
     html = alice_client.post("/jobs/new/", data).content.decode()
     assert 'data-testid="error-model"' in html and "trains local weights" in html
@@ -159,7 +159,9 @@ def test_the_inspector_filters_and_sorts(alice_client, alice_eval):
     )
     # Text search reaches into the messages; the oracle always thinks "Empty: ...".
     assert (
-        page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?q=Best:").count("<tr data-rollout-id=")
+        page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/?q=Empty:").count(
+            "<tr data-rollout-id="
+        )
         == 8
     )
     assert (

@@ -19,6 +19,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from rlcore.envs import ParamError, get_env_class, list_environments
+from rlcore.types import jsonl_line
 from webapp.jobs import presenters, selectors, services
 from webapp.jobs.forms import EnvConfigForm, JobForm, ModelEntryForm, RolloutFilterForm
 from webapp.jobs.models import Job, ModelEntry
@@ -432,7 +433,7 @@ def rollouts_jsonl(request, pk: int):
             status=400,
             content_type="application/json",
         )
-    lines = (json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in rows.iterator())
+    lines = (jsonl_line(r.to_dict()) for r in rows.iterator())
     response = StreamingHttpResponse(lines, content_type="application/x-ndjson")
     response["Content-Disposition"] = f'attachment; filename="job-{job.pk}-rollouts.jsonl"'
     return response
