@@ -10,6 +10,7 @@ from rlcore.train.grpo import (
     group_advantages,
     loss_normalizer,
     policy_loss,
+    scale_negative,
     training_sequences,
     tree_advantages,
 )
@@ -290,3 +291,12 @@ def test_tree_advantage_config_is_checked():
         config(advantage="vine").validate()
     with pytest.raises(ConfigError, match="scale_rewards=true applies to advantage='group'"):
         config(advantage="tree", scale_rewards=True).validate()
+
+
+def test_negative_advantages_are_damped_or_dropped_and_the_scale_is_checked():
+    advantages = [[0.5, -1.0], [-0.25], [0.0]]
+    assert scale_negative(advantages, 1.0) == advantages
+    assert scale_negative(advantages, 0.5) == [[0.5, -0.5], [-0.125], [0.0]]
+    assert scale_negative(advantages, 0.0) == [[0.5, 0.0], [0.0], [0.0]]
+    with pytest.raises(ConfigError, match=r"negative_advantage_scale must be in \[0, 1\]"):
+        config(negative_advantage_scale=1.5).validate()

@@ -308,13 +308,6 @@ class SingleTurnEnv(MultiTurnEnv):
 
     max_turns = 1
 
-    def decision_key(self, messages: list[Message], state: dict) -> str | None:
-        """A name for the position the model is about to answer, equal for two rollouts of
-        one example exactly when what happens next depends on the same things (so a trainer
-        may compare the moves made there); None (the default) leaves the prompt itself as
-        the position. Tic-tac-toe names the board and the turns used, not the history."""
-        return None
-
     def turn_limit(self) -> int:
         return 1
 

@@ -190,8 +190,8 @@ class RLConfig:
     negative_advantage_scale: float = 1.0
     """multiplies advantages below 0: 1 is the plain estimator; 0 learns only from moves
     that did better than their alternatives (filtered behaviour cloning, as RAFT/ReST do);
-    in between damps the pushes down on sampled tokens that destabilise a small model at
-    the higher learning rates that make it learn fast"""
+    in between damps the pushes down on sampled tokens (in the tic-tac-toe sweep neither
+    made learning rates above 1e-4 stable for the tiny model: docs/mastery.md)"""
     scale_rewards: bool = False
     """divide advantages by the group's reward std (original GRPO); not with dr_grpo"""
     clip_eps_low: float = 0.2

@@ -125,6 +125,12 @@ def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float
     return advantages
 
 
+def scale_negative(turn_advantages: list[list[float]], scale: float) -> list[list[float]]:
+    """Every advantage below 0 times `scale` (cfg.negative_advantage_scale); the others
+    unchanged. 0 keeps only the moves that did better than their alternatives."""
+    return [[a * scale if a < 0 else a for a in turns] for turns in turn_advantages]
+
+
 def _assemble(rollout: Rollout) -> list[tuple[list[int], list[int], list[float] | None, list[int]]]:
     """The sequences of `build_sequences`, each with the turn index of every token
     (-1 off the loss mask)."""
@@ -646,11 +652,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                 turn_advantages = [
                     [value] * len(r.turns) for r, value in zip(rollouts, advantages, strict=True)
                 ]
-            if cfg.negative_advantage_scale != 1.0:
-                turn_advantages = [
-                    [a if a >= 0 else a * cfg.negative_advantage_scale for a in turns]
-                    for turns in turn_advantages
-                ]
+            turn_advantages = scale_negative(turn_advantages, cfg.negative_advantage_scale)
             flat_advantages = torch.tensor([a for turns in turn_advantages for a in turns] or [0.0])
 
             # 4. Training sequences: the sampled token ids, loss only on sampled tokens.
