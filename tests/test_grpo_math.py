@@ -189,11 +189,16 @@ def test_an_unknown_loss_aggregation_is_refused_by_name():
 # Per-turn credit: tree advantages, per-token advantages and turn aggregation
 
 
-def rollout(reward: float, *prompts: list[int]) -> Rollout:
-    """A rollout whose turns have these prompts (each turn's completion: one token)."""
-    turns = [Turn(prompt_ids=list(p), completion_ids=[p[-1] + 100]) for p in prompts]
+def rollout_of(turns: list[Turn], reward: float = 0.0) -> Rollout:
     return Rollout(
         example_id=0, seed=0, group=0, messages=[], prompt_len=0, reward=reward, turns=turns
+    )
+
+
+def rollout(reward: float, *prompts: list[int]) -> Rollout:
+    """A rollout whose turns have these prompts (each turn's completion: one token)."""
+    return rollout_of(
+        [Turn(prompt_ids=list(p), completion_ids=[p[-1] + 100]) for p in prompts], reward
     )
 
 
@@ -241,16 +246,11 @@ def test_tree_advantages_refuse_partial_groups():
     ],
 )
 def test_training_sequences_carry_each_turns_advantage_and_weight(aggregation, weights):
-    two_turns = Rollout(
-        example_id=0,
-        seed=0,
-        group=0,
-        messages=[],
-        prompt_len=0,
-        turns=[
+    two_turns = rollout_of(
+        [
             Turn(prompt_ids=[1, 2], completion_ids=[3, 4, 5], logprobs=[-0.1, -0.2, -0.3]),
             Turn(prompt_ids=[1, 2, 3, 4, 5, 6], completion_ids=[7], logprobs=[-0.4]),
-        ],
+        ]
     )
     (sequence,) = training_sequences(two_turns, [0.5, -1.0], aggregation)
     assert sequence.input_ids == [1, 2, 3, 4, 5, 6, 7]

@@ -87,11 +87,11 @@ class EnvConfigForm(ServiceErrorsMixin, forms.Form):
         return [self[PARAM_PREFIX + p["name"]] for p in self.schema]
 
     def params(self) -> dict:
-        values = {p["name"]: self.cleaned_data.get(PARAM_PREFIX + p["name"]) for p in self.schema}
-        return {
-            p["name"]: p["default"] if values[p["name"]] is None else values[p["name"]]
-            for p in self.schema
-        }
+        values = {}
+        for p in self.schema:
+            value = self.cleaned_data.get(PARAM_PREFIX + p["name"])
+            values[p["name"]] = p["default"] if value is None else value
+        return values
 
     def clean(self):
         cleaned = super().clean()
