@@ -22,6 +22,7 @@ import pytest
 import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.db import connection, transaction
 from django.test import Client, override_settings
@@ -210,6 +211,17 @@ class GroupListener:
             raise AssertionError(f"no final status within {timeout}s; got {received[-3:]}")
 
         return async_to_sync(run)()
+
+
+async def refused(socket: WebsocketCommunicator) -> int:
+    """Connect, expect a refusal, and return its close code. The consumer that refused
+    still listens on the channel layer until it gets the disconnect, so it is stopped
+    here, in the test's own loop: a consumer left running is cancelled only when the
+    loop closes, mid-read on Redis, and one CI run hung there for 600 s."""
+    connected, code = await socket.connect()
+    await socket.disconnect(timeout=5)
+    assert not connected
+    return code
 
 
 def create_job_with_listener(**kwargs) -> tuple[Job, GroupListener]:

@@ -8,6 +8,7 @@ from channels.testing import WebsocketCommunicator
 from channels_redis.core import RedisChannelLayer
 from django.test import Client
 
+from tests.web.conftest import refused
 from webapp.asgi import application
 from webapp.jobs.live import job_group
 from webapp.jobs.models import Job
@@ -46,14 +47,12 @@ async def test_the_layer_is_the_real_redis_one():
 
 async def test_unauthenticated_sockets_are_refused():
     job, _ = await make_job_and_cookies()
-    connected, code = await communicator(job.pk, None).connect()
-    assert not connected and code == 4401
+    assert await refused(communicator(job.pk, None)) == 4401
 
 
 async def test_bob_cannot_subscribe_to_alices_job():
     job, cookies = await make_job_and_cookies()
-    connected, code = await communicator(job.pk, cookies["bob"]).connect()
-    assert not connected and code == 4403
+    assert await refused(communicator(job.pk, cookies["bob"])) == 4403
 
 
 async def test_alice_receives_a_batch_sent_to_her_jobs_group():
@@ -91,8 +90,7 @@ async def test_a_socket_from_a_foreign_origin_is_refused():
         f"/ws/jobs/{job.pk}/",
         headers=[(b"origin", b"http://evil.example"), (b"cookie", cookies["alice"])],
     )
-    connected, _ = await socket.connect()
-    assert not connected
+    await refused(socket)
 
 
 async def test_an_idle_socket_still_gets_batches_after_the_redis_read_timeout():
