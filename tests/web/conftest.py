@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
+from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers, get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.db import connection, transaction
@@ -68,6 +68,17 @@ def real_services(tmp_path_factory):
     celery_app.conf.update(broker_url=TEST_REDIS_URL, result_backend=TEST_REDIS_URL)
     yield runs_dir
     override.disable()
+
+
+@pytest.fixture(autouse=True)
+def fresh_channel_layer():
+    """Each test gets a channel layer of its own. Channels keeps one per process, but a
+    Redis layer's receive state (lock, buffers, cleanup tasks) belongs to the event loop
+    that used it, and pytest-asyncio (like async_to_sync) runs each test on a new loop;
+    the old loop's pools are closed with it (channels_redis wraps loop.close)."""
+    channel_layers.backends.pop(DEFAULT_CHANNEL_LAYER, None)
+    yield
+    channel_layers.backends.pop(DEFAULT_CHANNEL_LAYER, None)
 
 
 @pytest.fixture
