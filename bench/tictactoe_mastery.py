@@ -128,6 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         help="exploring starts: up to this many random moves of each side open an RL game",
     )
     parser.add_argument("--rl-negative-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
+    )
+    parser.add_argument(
+        "--rl-iterations", type=int, default=1, help="clipped updates per batch of rollouts"
+    )
+    parser.add_argument("--rl-draw-reward", type=float, default=0.5)
+    parser.add_argument(
+        "--rl-loss-reward",
+        type=float,
+        default=0.0,
+        help="outcome reward of a lost (or unfinished) RL game; a win is 1",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of SFT and RL")
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument(
@@ -197,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             micro_batch_size=16,
             lr=2e-3,
             warmup_steps=10,
+            seed=args.seed,
             device=args.device,
         ),
         ConsoleSink(metric_keys=["loss/sft", "optim/lr"]),
@@ -216,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 "min_random_move_prob": args.rl_min_p,
                 "max_random_move_prob": args.rl_max_p,
                 "opening_moves": args.rl_opening_moves,
+                "draw_reward": args.rl_draw_reward,
+                "loss_reward": args.rl_loss_reward,
             },
             output_dir=str(out / "rl"),
             max_steps=args.rl_max_steps,
@@ -225,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             loss_aggregation=args.rl_aggregation,
             advantage=args.rl_advantage,
             negative_advantage_scale=args.rl_negative_scale,
+            beta=args.rl_beta,
+            num_iterations=args.rl_iterations,
+            seed=args.seed,
             lr=args.rl_lr,
             temperature=args.rl_temperature,
             max_tokens=args.max_tokens,

@@ -86,6 +86,8 @@ def test_registry_builds_the_env_with_defaults():
         "model_mark": "random",
         "max_turns": 10,
         "opening_moves": 0,
+        "draw_reward": 0.5,
+        "loss_reward": 0.0,
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
     }
@@ -105,9 +107,18 @@ def test_min_above_max_is_an_error_naming_both():
     assert "0.8" in error.value.errors["min_random_move_prob"]
 
 
+def test_a_loss_may_not_pay_more_than_a_draw():
+    with pytest.raises(ParamError) as error:
+        TicTacToeEnv(draw_reward=0.0, loss_reward=0.25)
+    assert set(error.value.errors) == {"loss_reward"}
+    assert "draw_reward (0.0)" in error.value.errors["loss_reward"]
+
+
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
+        ("loss_reward", -1.5, "at least -1.0"),
+        ("draw_reward", 2, "at most 1.0"),
         ("num_groups", 0, "at least 1"),
         ("num_groups", 21, "at most 20"),
         ("max_turns", 31, "at most 30"),
@@ -396,6 +407,27 @@ async def test_penalty_and_cap_follow_the_params():
     assert rollout.state["invalid_moves"] == 4
     assert rollout.rewards["invalid_move"] == pytest.approx(-0.8)
     assert rollout.rewards["format"] == 0.0
+
+
+async def test_outcome_rewards_follow_the_params_and_unfinished_pays_as_a_loss():
+    env = TicTacToeEnv(draw_reward=0.25, loss_reward=-1.0, max_turns=6)
+    games = {
+        "win": await play_all(env, OraclePolicy(), 16),
+        "loss": await play_all(
+            TicTacToeEnv(draw_reward=0.25, loss_reward=-1.0, max_random_move_prob=0.0),
+            RandomValidPolicy(seed=3),
+            16,
+        ),
+        "unfinished": await play_all(env, ConstantPolicy("no move"), 2),
+    }
+    paid = {}
+    for rollouts in games.values():
+        for rollout in rollouts:
+            paid.setdefault(rollout.outcome, set()).add(rollout.rewards["outcome"])
+    assert paid["win"] == {1.0}
+    assert paid["draw"] == {0.25}
+    assert paid["loss"] == {-1.0}
+    assert paid["unfinished"] == {-1.0}
 
 
 async def test_one_turn_is_not_enough_to_finish():

@@ -316,7 +316,8 @@ def outcome_label(state: dict) -> str:
 
 
 def outcome_reward(*, state: dict, **_) -> float:
-    """1 for a win, 0.5 for a draw, 0 for a loss or an unfinished game."""
+    """1 for a win, 0.5 for a draw, 0 for a loss or an unfinished game (the env's defaults;
+    its `draw_reward` and `loss_reward` params change the last two)."""
     return OUTCOME_REWARD[outcome_label(state)]
 
 
@@ -393,6 +394,23 @@ class TicTacToeEnv(MultiTurnEnv):
             max=4,
         ),
         Param(
+            "draw_reward",
+            float,
+            OUTCOME_REWARD["draw"],
+            "Outcome reward for a draw; a win is worth 1.",
+            min=-1.0,
+            max=1.0,
+        ),
+        Param(
+            "loss_reward",
+            float,
+            OUTCOME_REWARD["loss"],
+            "Outcome reward for a loss, and for a game left unfinished (so stalling never "
+            "beats losing). Below 0 makes a loss cost more than a draw gains.",
+            min=-1.0,
+            max=1.0,
+        ),
+        Param(
             "invalid_move_penalty",
             float,
             0.1,
@@ -409,24 +427,34 @@ class TicTacToeEnv(MultiTurnEnv):
     ]
 
     def check_params(self, config: dict) -> dict[str, str]:
+        errors = {}
         low, high = config["min_random_move_prob"], config["max_random_move_prob"]
         if low > high:
-            return {
-                "min_random_move_prob": (
-                    f"must be at most max_random_move_prob ({high}), got {low}"
-                )
-            }
-        return {}
+            errors["min_random_move_prob"] = (
+                f"must be at most max_random_move_prob ({high}), got {low}"
+            )
+        draw, loss = config["draw_reward"], config["loss_reward"]
+        if loss > draw:
+            errors["loss_reward"] = f"must be at most draw_reward ({draw}), got {loss}"
+        return errors
 
     def build_parser(self) -> XMLParser:
         return XMLParser(["think", "move"])
 
     def build_rubric(self) -> Rubric:
         rubric = Rubric()
-        rubric.add(outcome_reward, 1.0, name="outcome")
+        rubric.add(self.outcome_reward, 1.0, name="outcome")
         rubric.add(format_reward, 0.2, name="format")
         rubric.add(self.invalid_move_reward, 1.0, name="invalid_move")
         return rubric
+
+    def outcome_reward(self, *, state: dict, **_) -> float:
+        """1 for a win, `draw_reward` for a draw, `loss_reward` for a loss or an
+        unfinished game."""
+        label = outcome_label(state)
+        if label == "win":
+            return OUTCOME_REWARD["win"]
+        return self.config["draw_reward" if label == "draw" else "loss_reward"]
 
     def invalid_move_reward(self, *, state: dict, **_) -> float:
         """-invalid_move_penalty per invalid reply, capped: never below -invalid_penalty_cap."""
