@@ -315,12 +315,6 @@ def outcome_label(state: dict) -> str:
     return result_for(board, model_mark) or "unfinished"
 
 
-def outcome_reward(*, state: dict, **_) -> float:
-    """1 for a win, 0.5 for a draw, 0 for a loss or an unfinished game (the env's defaults;
-    its `draw_reward` and `loss_reward` params change the last two)."""
-    return OUTCOME_REWARD[outcome_label(state)]
-
-
 def format_reward(*, completion: list[Message], **_) -> float:
     """The share of the model's replies that are exactly `<think>...</think><move>N</move>`."""
     replies = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
