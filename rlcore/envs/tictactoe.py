@@ -51,7 +51,9 @@ LINES = (
     (0, 4, 8),
     (2, 4, 6),
 )
-OUTCOME_REWARD = {"win": 1.0, "draw": 0.5, "loss": 0.0, "unfinished": 0.0}
+# A win pays 1; the draw and loss rewards are env params (an unfinished game pays the loss
+# reward), these their defaults.
+OUTCOME_REWARD = {"win": 1.0, "draw": 0.5, "loss": 0.0}
 MOVE_FORMAT_HINT = "reply with <move>N</move>, N in 0-8"
 
 # ---------------------------------------------------------------------------------------
