@@ -47,10 +47,18 @@ OPPONENTS = {"random": 1.0, "optimal": 0.0}
 class DeadlineSink(ConsoleSink):
     """Console output plus a stop request once the stage's wall-time deadline passes."""
 
-    def __init__(self, deadline: float, metric_keys: list[str]):
+    def __init__(self, deadline: float, metric_keys: list[str], metrics_path: Path):
         super().__init__(metric_keys=metric_keys)
         self.deadline = deadline
         self.first_progress: tuple[float, int] | None = None
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = metrics_path.open("w")
+
+    def metric(self, step: int, values: dict[str, float]) -> None:
+        """Shown on the console; every metric of every step kept in `metrics_path`."""
+        super().metric(step, values)
+        self.metrics_file.write(json.dumps({"step": step, **values}) + "\n")
+        self.metrics_file.flush()
 
     def should_stop(self) -> bool:
         return time.monotonic() >= self.deadline
@@ -100,6 +108,7 @@ def evaluate(model: str, games: int, args, label: str) -> dict:
             "unfinished": outcomes["unfinished"]["rate"],
             "invalid_move_rate": summary["env_metrics"]["tictactoe/invalid_move_rate"],
             "format": summary["functions"]["format"]["mean"],
+            "sound_move_rate": summary["env_metrics"]["tictactoe/sound_move_rate"],
             "seconds": round(time.monotonic() - started, 1),
         }
     return rows
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-temperature", type=float, default=0.7)
     parser.add_argument("--rl-loss", default="grpo", choices=["grpo", "cispo", "dr_grpo"])
     parser.add_argument("--rl-aggregation", default="turn", choices=["token", "sequence", "turn"])
-    parser.add_argument("--rl-advantage", default="tree", choices=["group", "tree"])
+    parser.add_argument("--rl-advantage", default="tree", choices=["group", "tree", "none"])
     parser.add_argument(
         "--rl-opening-moves",
         type=int,
@@ -128,6 +137,18 @@ def main(argv: list[str] | None = None) -> int:
         help="exploring starts: up to this many random moves of each side open an RL game",
     )
     parser.add_argument("--rl-negative-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--rl-no-think-loss",
+        action="store_true",
+        help="RL loss on the move tag only, not on the think block (train_think = false)",
+    )
+    parser.add_argument(
+        "--rl-turn-reward-weight",
+        type=float,
+        default=0.0,
+        help="weight of the env's per-move reward (1 for a move that keeps the game-theoretic "
+        "value, 0 otherwise) in each move's advantage; 0: outcome rewards only",
+    )
     parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
@@ -242,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             loss_aggregation=args.rl_aggregation,
             advantage=args.rl_advantage,
             negative_advantage_scale=args.rl_negative_scale,
+            turn_reward_weight=args.rl_turn_reward_weight,
+            train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             num_iterations=args.rl_iterations,
             seed=args.seed,
@@ -254,7 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         DeadlineSink(
             deadline,
-            ["reward/mean", "outcome/win", "outcome/loss", "tictactoe/invalid_move_rate"],
+            [
+                "reward/mean",
+                "outcome/win",
+                "outcome/loss",
+                "tictactoe/invalid_move_rate",
+                "tictactoe/sound_move_rate",
+            ],
+            out / "rl" / "metrics.jsonl",
         ),
     )
     times["rl"] = time.monotonic() - started
@@ -304,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 def format_table(results: dict, times: dict) -> str:
     header = (
         f"{'stage':<6} {'opponent':<8} {'games':>5} {'win':>7} {'draw':>7} {'loss':>7} "
-        f"{'unfin':>6} {'invalid':>8} {'format':>7}"
+        f"{'unfin':>6} {'invalid':>8} {'format':>7} {'sound':>7}"
     )
     lines = [header, "-" * len(header)]
     for stage, rows in results.items():
@@ -312,7 +342,8 @@ def format_table(results: dict, times: dict) -> str:
             lines.append(
                 f"{stage:<6} {opponent:<8} {row['games']:>5} {row['win']:>7.1%} "
                 f"{row['draw']:>7.1%} {row['loss']:>7.1%} {row['unfinished']:>6.1%} "
-                f"{row['invalid_move_rate']:>8.2%} {row['format']:>7.1%}"
+                f"{row['invalid_move_rate']:>8.2%} {row['format']:>7.1%} "
+                f"{row['sound_move_rate']:>7.1%}"
             )
     lines.append("")
     lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))

@@ -7,12 +7,14 @@ import torch
 
 from rlcore.train.config import ConfigError, RLConfig
 from rlcore.train.grpo import (
+    add_turn_advantages,
     group_advantages,
     loss_normalizer,
     policy_loss,
     scale_negative,
     training_sequences,
     tree_advantages,
+    turn_reward_advantages,
 )
 from rlcore.types import Rollout, Turn
 
@@ -300,3 +302,71 @@ def test_negative_advantages_are_damped_or_dropped_and_the_scale_is_checked():
     assert scale_negative(advantages, 0.0) == [[0.5, 0.0], [0.0], [0.0]]
     with pytest.raises(ConfigError, match=r"negative_advantage_scale must be in \[0, 1\]"):
         config(negative_advantage_scale=1.5).validate()
+
+
+# ---------------------------------------------------------------------------------------
+# Per-turn rewards from the env and loss on the answer only
+
+
+def keyed(*keys: str) -> Rollout:
+    """A rollout whose turns the env named `keys` (one token each)."""
+    return rollout_of([Turn(prompt_ids=[1], completion_ids=[2], state_key=k) for k in keys])
+
+
+def test_turn_rewards_are_compared_in_their_position_where_moves_differed():
+    rollouts = [keyed("a", "b"), keyed("a", "c"), keyed("d"), keyed("d")]
+    rewards = [[1.0, 0.0], [0.0, 1.0], [0.0], [0.0]]
+    batch_mean = 2 / 6
+    advantages = turn_reward_advantages(rollouts, rewards, group_size=2)
+    # "a": the two moves scored 1 and 0, so the baseline is their mean; "b" and "c" were
+    # met once and "d" saw the same (bad) move twice: the batch's mean judges them, so a
+    # move always made badly is still pushed down.
+    expected = [
+        [1.0 - 0.5, 0.0 - batch_mean],
+        [0.0 - 0.5, 1.0 - batch_mean],
+        [0.0 - batch_mean],
+        [0.0 - batch_mean],
+    ]
+    for actual, wanted in zip(advantages, expected, strict=True):
+        assert actual == pytest.approx(wanted)
+    # Positions are per group: the same key in another group is another position.
+    again = turn_reward_advantages(
+        [keyed("a"), keyed("x"), keyed("a"), keyed("y")], [[1.0], [0.0], [0.0], [1.0]], 2
+    )
+    assert again == [[0.5], [-0.5], [-0.5], [0.5]]
+
+
+def test_turn_rewards_must_match_the_turns_and_fill_whole_groups():
+    with pytest.raises(ValueError, match="rollout 1 .* has 2 turns but 1 per-turn rewards"):
+        turn_reward_advantages([keyed("a"), keyed("a", "b")], [[1.0], [1.0]], 2)
+    with pytest.raises(ValueError, match="3 rollouts do not split into groups of 2"):
+        turn_reward_advantages([keyed("a")] * 3, [[1.0]] * 3, 2)
+
+
+def test_turn_advantages_add_to_the_episode_ones_times_the_weight():
+    assert add_turn_advantages([[0.5, -1.0], [0.0]], [[1.0, 1.0], [-0.5]], 2.0) == [
+        [2.5, 1.0],
+        [-1.0],
+    ]
+
+
+def test_skipped_think_tokens_stay_off_the_mask_and_out_of_the_turn_weights():
+    two_turns = rollout_of(
+        [
+            Turn(prompt_ids=[1, 2], completion_ids=[3, 4, 5]),
+            Turn(prompt_ids=[1, 2, 3, 4, 5, 6], completion_ids=[7, 8]),
+        ]
+    )
+    (sequence,) = training_sequences(two_turns, [0.5, -1.0], "turn", skip=[2, 0])
+    assert sequence.input_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert sequence.loss_mask == [0, 0, 0, 0, 1, 0, 1, 1]
+    assert sequence.advantages == [0, 0, 0, 0, 0.5, 0, -1.0, -1.0]
+    assert sequence.weights == pytest.approx([0, 0, 0, 0, 1, 0, 0.5, 0.5])
+
+
+def test_turn_reward_and_advantage_settings_are_checked():
+    with pytest.raises(ConfigError, match="turn_reward_weight must be >= 0"):
+        config(turn_reward_weight=-1.0).validate()
+    with pytest.raises(ConfigError, match="advantage='none' leaves nothing to learn"):
+        config(advantage="none").validate()
+    config(advantage="none", turn_reward_weight=1.0).validate()

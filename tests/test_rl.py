@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.envs.registry import load_environment
 from rlcore.events import RecordingSink
@@ -15,7 +15,7 @@ from rlcore.policy.local import LocalEngine
 from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.rollout import run_rollouts
 from rlcore.train.config import ConfigError, RLConfig, SFTConfig
-from rlcore.train.grpo import TRAINER_STATE, build_sequences, run_rl
+from rlcore.train.grpo import TRAINER_STATE, build_sequences, run_rl, think_length
 from rlcore.train.sampling import StratifiedSampler
 from rlcore.train.sft import run_sft
 from rlcore.types import Rollout, SamplingParams, Turn
@@ -290,17 +290,24 @@ def test_kl_to_the_reference_is_measured_from_the_second_update_on(half_formatte
     assert first["optim/grad_norm"] > 0
 
 
-def test_tictactoe_training_reports_env_metrics_and_mixes_groups(tiny_model, tmp_path):
+def tictactoe_step(model: str, tmp_path, env_args: dict | None = None, **changes):
+    """One RL step on tic-tac-toe (2 turns a game, 2 opponent groups): (metrics, rollouts)."""
     cfg = rl_config(
-        tiny_model,
+        model,
         tmp_path,
         env="tictactoe",
-        env_args={"max_turns": 2, "num_groups": 2},
+        env_args={"max_turns": 2, "num_groups": 2, **(env_args or {})},
         max_steps=1,
+        **changes,
     )
     sink = RecordingSink()
     run_rl(cfg, sink)
-    ((step, metrics),) = sink.metrics
+    ((_, metrics),) = sink.metrics
+    return metrics, sink.rollout_batches[0][1]
+
+
+def test_tictactoe_training_reports_env_metrics_and_mixes_groups(tiny_model, tmp_path):
+    metrics, rollouts = tictactoe_step(tiny_model, tmp_path)
     expected = {
         "outcome/unfinished",
         "reward/outcome",
@@ -313,24 +320,13 @@ def test_tictactoe_training_reports_env_metrics_and_mixes_groups(tiny_model, tmp
     assert metrics["tictactoe/invalid_move_rate"] == 1.0
     assert metrics["advantage/zero_group_rate"] == 1.0
     assert metrics["optim/grad_norm"] == 0.0
-    groups = [r.group for r in sink.rollout_batches[0][1]]
-    assert sorted(groups) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert sorted(r.group for r in rollouts) == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_tree_advantages_run_on_tictactoe_with_positions_named_by_the_board(tiny_model, tmp_path):
-    cfg = rl_config(
-        tiny_model,
-        tmp_path,
-        env="tictactoe",
-        env_args={"max_turns": 2, "num_groups": 2, "opening_moves": 2},
-        advantage="tree",
-        loss_aggregation="turn",
-        max_steps=1,
+    metrics, rollouts = tictactoe_step(
+        tiny_model, tmp_path, {"opening_moves": 2}, advantage="tree", loss_aggregation="turn"
     )
-    sink = RecordingSink()
-    run_rl(cfg, sink)
-    ((_, metrics),) = sink.metrics
-    rollouts = sink.rollout_batches[0][1]
     # Every turn carries the env's name for its position: the board and the turns used
     # (invalid replies leave the board as the opening set it).
     assert any(rollout.info["opening"] for rollout in rollouts)
@@ -366,3 +362,33 @@ def test_resuming_from_a_directory_without_trainer_state_is_refused(tiny_model, 
 def test_a_group_of_one_rollout_is_refused():
     with pytest.raises(ConfigError, match="rollouts_per_example must be at least 2"):
         RLConfig(rollouts_per_example=1, batch_size=4).validate()
+
+
+def test_think_length_counts_the_tokens_through_the_closing_think_tag(tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    pieces: dict[int, str] = {}
+    reply = "<think>Empty: 0 4.</think><move>4</move>"
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    count = think_length(ids, pieces, tokenizer)
+    assert tokenizer.decode(ids[:count]) == "<think>Empty: 0 4.</think>"
+    assert tokenizer.decode(ids[count:]) == "<move>4</move>"
+    no_think = tokenizer("<move>4</move>", add_special_tokens=False)["input_ids"]
+    assert think_length(no_think, pieces, tokenizer) == 0
+
+
+def test_per_move_rewards_train_tictactoe_on_the_answer_only(tiny_model, tmp_path):
+    metrics, rollouts = tictactoe_step(
+        tiny_model, tmp_path, advantage="none", turn_reward_weight=1.0, train_think=False
+    )
+    # Every reply of the untrained model is invalid: each turn is rewarded 0, the batch's
+    # mean is 0, and nothing is pushed either way.
+    assert all(r.state["move_sound"] == [None] * r.num_turns for r in rollouts)
+    assert metrics["reward/turn_mean"] == 0.0
+    assert metrics["tictactoe/sound_move_rate"] == 0.0
+    assert metrics["advantage/zero_turn_rate"] == 1.0
+
+
+def test_per_move_rewards_need_an_env_that_gives_them(tiny_model, tmp_path):
+    cfg = rl_config(tiny_model, tmp_path, turn_reward_weight=1.0)
+    with pytest.raises(ValueError, match="'reverse_text' judges whole episodes only"):
+        run_rl(cfg, RecordingSink())

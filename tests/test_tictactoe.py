@@ -18,12 +18,15 @@ from rlcore.envs.tictactoe import (
     PlaySession,
     RandomValidPolicy,
     TicTacToeEnv,
+    empty_cells,
     format_reward,
     game_value,
     is_well_formatted,
+    minimax_best_moves,
     outcome_label,
     parse_move,
     render_board,
+    sound_moves,
 )
 from rlcore.policy import load_policy
 from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
@@ -325,6 +328,53 @@ async def test_random_player_loses_most_games_against_a_perfect_opponent():
     outcomes = Counter(r.outcome for r in rollouts)
     assert outcomes["win"] == 0
     assert outcomes["loss"] >= 70
+
+
+def test_sound_moves_are_those_that_keep_the_game_theoretic_value():
+    # From the empty board every move draws.
+    assert sound_moves("." * 9, "X") == list(range(9))
+    # After a corner opening only the centre holds the draw.
+    assert sound_moves("X........", "O") == [4]
+    # O wins at once with 5, and also by 2 (a double threat X cannot stop): both are
+    # sound, though minimax's best moves are only the fastest win.
+    assert sound_moves("XX.OO...X", "O") == [2, 5]
+    assert minimax_best_moves("XX.OO...X", "O") == [5]
+    # O, to move, is lost whatever it does (X forks next), so no move gives anything away.
+    assert game_value("XO..X....", "O") == -1
+    assert sound_moves("XO..X....", "O") == empty_cells("XO..X....")
+    with pytest.raises(ValueError, match="is over"):
+        sound_moves("XXXOO....", "O")
+
+
+async def test_every_reply_is_recorded_sound_unsound_or_invalid_and_rewarded_per_turn():
+    env = TicTacToeEnv(model_mark="X", max_turns=30)
+    example = first_example(env, model_starts=True)
+    # An invalid reply, the centre (sound on an empty board), then the oracle: all sound.
+    policy = ScriptedPolicy(["<move>9</move>", "<think>c</think><move>4</move>"])
+    rollout = await env.rollout(policy, example, SAMPLING)
+    record = rollout.state["move_sound"]
+    assert len(record) == rollout.num_turns >= 3
+    assert record[0] is None and all(record[1:])
+    assert env.turn_rewards(rollout) == [0.0] + [1.0] * (len(record) - 1)
+    metrics = env.rollout_metrics(rollout)
+    assert metrics["sound_move_rate"] == pytest.approx((len(record) - 1) / len(record))
+
+
+async def test_the_sound_move_record_matches_a_replay_of_random_games():
+    env = TicTacToeEnv(min_random_move_prob=0.0, max_random_move_prob=0.0)
+    rollouts = await play_all(env, RandomValidPolicy(), 60)
+    seen = Counter()
+    for rollout in rollouts:
+        board = ["."] * 9
+        replayed = []
+        for move in rollout.state["moves"]:
+            if move["player"] == "model":
+                replayed.append(move["cell"] in sound_moves(board, move["mark"]))
+            board[move["cell"]] = move["mark"]
+        assert rollout.state["move_sound"] == replayed
+        seen.update(replayed)
+    # A random player against a perfect one makes both kinds of move.
+    assert seen[True] > 0 and seen[False] > 0
 
 
 async def test_final_state_records_the_whole_game():

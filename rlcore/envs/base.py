@@ -182,6 +182,13 @@ class Environment(ABC):
         under `<env name>/<key>` (e.g. `tictactoe/invalid_move_rate`)."""
         return {}
 
+    def turn_rewards(self, rollout: Rollout) -> list[float] | None:
+        """One reward per model turn of a finished rollout, in order, verified by the env
+        itself (tic-tac-toe: whether each move kept the game-theoretic value), or None
+        (the default) when the env judges only whole episodes. RL's `turn_reward_weight`
+        credits each turn with its own reward on top of the episode's."""
+        return None
+
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are
         reported per value of each label."""

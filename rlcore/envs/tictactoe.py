@@ -133,6 +133,21 @@ def game_value(board: Sequence[str] | str, player: str) -> int:
     return (score > 0) - (score < 0)
 
 
+def sound_moves(board: Sequence[str] | str, player: str) -> list[int]:
+    """Every cell whose move keeps the game-theoretic value for `player` (`game_value`):
+    from a won position the moves that still win, from a drawn one those that still draw,
+    from a lost one every move. A player who only ever makes sound moves never loses a
+    game it could draw and never draws one it could win; unlike `minimax_best_moves`,
+    slower wins and every drawing move count."""
+    text = _board_string(board)
+    _check_mark(player)
+    if game_over(text):
+        raise ValueError(f"no moves: the game on board {text!r} is over")
+    scores = _move_scores(text, player)
+    value = game_value(text, player)
+    return [cell for cell, score in scores if (score > 0) - (score < 0) == value]
+
+
 def minimax_best_moves(board: Sequence[str] | str, player: str) -> list[int]:
     """Every cell with the best minimax score for `player`, in board order.
 
@@ -518,6 +533,9 @@ class TicTacToeEnv(MultiTurnEnv):
             "random_move_prob": example.info["random_move_prob"],
             "model_starts": example.info["model_starts"],
             "moves": [],
+            # Per model reply: whether its move was sound (kept the game-theoretic value),
+            # None for an invalid reply.
+            "move_sound": [],
             "invalid_moves": 0,
             "model_turns": 0,
         }
@@ -547,7 +565,10 @@ class TicTacToeEnv(MultiTurnEnv):
         cell, error = parse_move(messages[-1].get("content"), board)
         if error is not None:
             state["invalid_moves"] += 1
+            state.setdefault("move_sound", []).append(None)
             return [{"role": "user", "content": board_message(board, error=error)}]
+        sound = cell in sound_moves(board, state["model_mark"])
+        state.setdefault("move_sound", []).append(sound)
         _play(board, state["moves"], cell, state["model_mark"], "model")
         opponent_cell = None
         if not game_over(board):
@@ -569,11 +590,24 @@ class TicTacToeEnv(MultiTurnEnv):
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         invalid = rollout.state.get("invalid_moves", 0)
         turns = rollout.state.get("model_turns", 0)
+        sound = rollout.state.get("move_sound", [])
         return {
             "invalid_moves": float(invalid),
             "invalid_move_rate": invalid / turns if turns else 0.0,
             "format_rate": format_reward(completion=rollout.completion),
+            # Share of the model's replies that were sound moves (an invalid one is not).
+            "sound_move_rate": sum(s is True for s in sound) / len(sound) if sound else 0.0,
         }
+
+    def turn_rewards(self, rollout: Rollout) -> list[float] | None:
+        """1 for each reply whose move kept the game-theoretic value (`sound_moves`), 0 for
+        one that gave some away or was invalid: a per-move reward the env verifies with
+        its own solver, for trainers that credit moves one by one (RL's
+        `turn_reward_weight`). None when the rollout has no such record."""
+        sound = rollout.state.get("move_sound")
+        if sound is None:
+            return None
+        return [1.0 if s is True else 0.0 for s in sound]
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         source = rollout.info if "model_mark" in rollout.info else rollout.state

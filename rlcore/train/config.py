@@ -26,7 +26,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOSS_TYPES = ("grpo", "cispo", "dr_grpo")
 LR_SCHEDULES = ("cosine", "constant")
 LOSS_AGGREGATIONS = ("token", "sequence", "turn")
-ADVANTAGES = ("group", "tree")
+ADVANTAGES = ("group", "tree", "none")
 
 
 class ConfigError(ValueError):
@@ -186,7 +186,21 @@ class RLConfig:
     """"group": each rollout's reward minus its group's mean, the same for all its turns
     (GRPO); "tree": per turn, the mean return of the group's rollouts that made the same
     move in the same position minus the mean of all that reached the position (credit to
-    moves in multi-turn games; see grpo.tree_advantages)"""
+    moves in multi-turn games; see grpo.tree_advantages); "none": no episode advantage, only
+    the env's per-turn rewards (needs turn_reward_weight > 0)"""
+    turn_reward_weight: float = 0.0
+    """weight of the env's per-turn rewards (Environment.turn_rewards; tic-tac-toe: 1 for a
+    move that keeps the game-theoretic value, 0 for one that gives some away or is
+    invalid) in each turn's advantage: that reward minus its baseline (the mean over the
+    group's turns in the same position where their rewards differ, else over the batch's
+    turns), times this, is added
+    to the episode advantage. 0 trains on episode rewards alone; above 0 the env must
+    give per-turn rewards"""
+    train_think: bool = True
+    """false: the loss skips each reply's think block (its tokens through `</think>`), so
+    RL credits only the answer; for models whose thinking is a fixed routine learnt in SFT
+    (the tic-tac-toe replies' list of empty cells), which RL's noisy per-move advantages
+    would otherwise wear down"""
     negative_advantage_scale: float = 1.0
     """multiplies advantages below 0: 1 is the plain estimator; 0 learns only from moves
     that did better than their alternatives (filtered behaviour cloning, as RAFT/ReST do);
@@ -259,6 +273,12 @@ class RLConfig:
         if not 0.0 <= self.negative_advantage_scale <= 1.0:
             errors.append(
                 f"negative_advantage_scale must be in [0, 1], got {self.negative_advantage_scale!r}"
+            )
+        if not self.turn_reward_weight >= 0.0:
+            errors.append(f"turn_reward_weight must be >= 0, got {self.turn_reward_weight!r}")
+        if self.advantage == "none" and not self.turn_reward_weight > 0:
+            errors.append(
+                "advantage='none' leaves nothing to learn from: set turn_reward_weight > 0"
             )
         if self.advantage == "tree" and self.scale_rewards:
             errors.append("scale_rewards=true applies to advantage='group' only")

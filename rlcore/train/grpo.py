@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlcore.envs.base import Environment
 from rlcore.envs.registry import load_environment
 from rlcore.evaluate import summarize, summary_metrics
 from rlcore.events import EventSink, NullSink
@@ -125,15 +126,90 @@ def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float
     return advantages
 
 
+def turn_reward_advantages(
+    rollouts: list[Rollout], turn_rewards: list[list[float]], group_size: int
+) -> list[list[float]]:
+    """Per-turn advantages from the env's per-turn rewards (Environment.turn_rewards).
+
+    Each turn's reward minus a baseline: the mean reward of the group's turns made in the
+    same position (the env's `decision_key`, else the prompt) when those turns' rewards
+    differ; otherwise (a position met once, or every move tried there scored the same)
+    the mean over every turn of the batch. Where moves differed this compares a move with
+    the others tried in its position, as `tree_advantages` does; where they did not, the
+    reward still judges the move itself: a policy that always makes the same bad move in
+    a position is pushed off it, where a per-position baseline would give it 0.
+    """
+    if len(rollouts) % group_size:
+        raise ValueError(f"{len(rollouts)} rollouts do not split into groups of {group_size}")
+    for index, (rollout, rewards) in enumerate(zip(rollouts, turn_rewards, strict=True)):
+        if len(rewards) != len(rollout.turns):
+            raise ValueError(
+                f"rollout {index} (example {rollout.example_id}) has {len(rollout.turns)} "
+                f"turns but {len(rewards)} per-turn rewards"
+            )
+    every = [reward for rewards in turn_rewards for reward in rewards]
+    batch_mean = sum(every) / len(every) if every else 0.0
+    advantages: list[list[float]] = []
+    for start in range(0, len(rollouts), group_size):
+        group = list(
+            zip(
+                rollouts[start : start + group_size],
+                turn_rewards[start : start + group_size],
+                strict=True,
+            )
+        )
+        seen: dict[object, list[float]] = {}  # position -> rewards of the moves made there
+        keys = []
+        for rollout, rewards in group:
+            row = [turn.state_key or tuple(turn.prompt_ids) for turn in rollout.turns]
+            keys.append(row)
+            for key, reward in zip(row, rewards, strict=True):
+                seen.setdefault(key, []).append(reward)
+        baselines = {
+            key: sum(values) / len(values) if len(set(values)) > 1 else batch_mean
+            for key, values in seen.items()
+        }
+        for row, (_, rewards) in zip(keys, group, strict=True):
+            advantages.append(
+                [reward - baselines[key] for key, reward in zip(row, rewards, strict=True)]
+            )
+    return advantages
+
+
+def add_turn_advantages(
+    base: list[list[float]], extra: list[list[float]], weight: float
+) -> list[list[float]]:
+    """base + weight * extra, turn by turn."""
+    return [
+        [a + weight * b for a, b in zip(row, more, strict=True)]
+        for row, more in zip(base, extra, strict=True)
+    ]
+
+
 def scale_negative(turn_advantages: list[list[float]], scale: float) -> list[list[float]]:
     """Every advantage below 0 times `scale` (cfg.negative_advantage_scale); the others
     unchanged. 0 keeps only the moves that did better than their alternatives."""
     return [[a * scale if a < 0 else a for a in turns] for turns in turn_advantages]
 
 
-def _assemble(rollout: Rollout) -> list[tuple[list[int], list[int], list[float] | None, list[int]]]:
+def think_length(completion_ids: list[int], pieces: dict[int, str], tokenizer) -> int:
+    """How many leading tokens of a reply make up its think block, through `</think>`
+    (0 when it has none). `pieces` caches each token id's text across calls."""
+    text = ""
+    for count, token in enumerate(completion_ids, start=1):
+        if token not in pieces:
+            pieces[token] = tokenizer.decode([token])
+        text += pieces[token]
+        if "</think>" in text:
+            return count
+    return 0
+
+
+def _assemble(
+    rollout: Rollout, skip: list[int] | None = None
+) -> list[tuple[list[int], list[int], list[float] | None, list[int]]]:
     """The sequences of `build_sequences`, each with the turn index of every token
-    (-1 off the loss mask)."""
+    (-1 off the loss mask). `skip[t]`: leading sampled tokens of turn t kept off the mask."""
     sequences: list[tuple[list[int], list[int], list[float] | None, list[int]]] = []
     for index, turn in enumerate(rollout.turns):
         if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
@@ -147,8 +223,10 @@ def _assemble(rollout: Rollout) -> list[tuple[list[int], list[int], list[float] 
         loss_mask.extend([0] * len(new_prompt))
         turn_ids.extend([-1] * len(new_prompt))
         input_ids.extend(turn.completion_ids)
-        loss_mask.extend([1] * len(turn.completion_ids))
-        turn_ids.extend([index] * len(turn.completion_ids))
+        skipped = min(skip[index], len(turn.completion_ids)) if skip else 0
+        trained = len(turn.completion_ids) - skipped
+        loss_mask.extend([0] * skipped + [1] * trained)
+        turn_ids.extend([-1] * skipped + [index] * trained)
         if logprobs is not None:
             logprobs.extend([0.0] * len(new_prompt))
             logprobs.extend(turn.logprobs or [])
@@ -176,17 +254,22 @@ def build_sequences(
 
 
 def training_sequences(
-    rollout: Rollout, turn_advantages: list[float], aggregation: str
+    rollout: Rollout,
+    turn_advantages: list[float],
+    aggregation: str,
+    skip: list[int] | None = None,
 ) -> list[TrainingSequence]:
     """`build_sequences` of one rollout as TrainingSequences: every sampled token carries
     its turn's advantage and its weight in the loss's sum, 1 (token aggregation),
-    1 / the sequence's sampled tokens (sequence) or 1 / its turn's sampled tokens (turn)."""
+    1 / the sequence's sampled tokens (sequence) or 1 / its turn's sampled tokens (turn).
+    `skip[t]` leading tokens of turn t (its think block, with train_think off) stay off
+    the loss mask, and out of those counts."""
     if len(turn_advantages) != len(rollout.turns):
         raise ValueError(
             f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
         )
     result = []
-    for input_ids, loss_mask, logprobs, turn_ids in _assemble(rollout):
+    for input_ids, loss_mask, logprobs, turn_ids in _assemble(rollout, skip):
         turn_sizes: dict[int, int] = {}
         for turn in turn_ids:
             if turn >= 0:
@@ -572,6 +655,11 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
 
     # Environment, policy model, optional frozen reference, optimizer, example stream.
     env = load_environment(cfg.env, **cfg.env_args)
+    if cfg.turn_reward_weight > 0 and type(env).turn_rewards is Environment.turn_rewards:
+        raise ValueError(
+            f"turn_reward_weight={cfg.turn_reward_weight} needs an env with per-turn rewards; "
+            f"{env.name!r} judges whole episodes only (set turn_reward_weight = 0)"
+        )
     model, tokenizer = load_model_and_tokenizer(cfg.resume_from or cfg.model, device)
     model.eval()  # no dropout: the importance ratio must be exactly 1 before an update
     reference = None
@@ -616,6 +704,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
         return saved
 
     outcome_labels: set[str] = set()  # every label seen so far, reported even at rate 0
+    pieces: dict[int, str] = {}  # token id -> text, for think_length
     loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
@@ -645,6 +734,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
             if cfg.advantage == "tree":
                 turn_advantages = tree_advantages(rollouts, cfg.rollouts_per_example)
+            elif cfg.advantage == "none":
+                turn_advantages = [[0.0] * len(r.turns) for r in rollouts]
             else:
                 advantages = group_advantages(
                     rewards, cfg.rollouts_per_example, cfg.scale_rewards
@@ -652,6 +743,23 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                 turn_advantages = [
                     [value] * len(r.turns) for r, value in zip(rollouts, advantages, strict=True)
                 ]
+            turn_reward_mean = None
+            if cfg.turn_reward_weight > 0:
+                per_turn = [env.turn_rewards(r) for r in rollouts]
+                missing = [i for i, rewards in enumerate(per_turn) if rewards is None]
+                if missing:
+                    raise ValueError(
+                        f"turn_reward_weight={cfg.turn_reward_weight} but env {env.name!r} "
+                        f"gave no per-turn rewards for {len(missing)} of {len(rollouts)} "
+                        "rollouts; set turn_reward_weight = 0 for this env"
+                    )
+                turn_advantages = add_turn_advantages(
+                    turn_advantages,
+                    turn_reward_advantages(rollouts, per_turn, cfg.rollouts_per_example),
+                    cfg.turn_reward_weight,
+                )
+                flat_rewards = [value for rewards in per_turn for value in rewards]
+                turn_reward_mean = sum(flat_rewards) / max(len(flat_rewards), 1)
             turn_advantages = scale_negative(turn_advantages, cfg.negative_advantage_scale)
             flat_advantages = torch.tensor([a for turns in turn_advantages for a in turns] or [0.0])
 
@@ -660,7 +768,14 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             sequences = [
                 sequence
                 for rollout, advantages in zip(rollouts, turn_advantages, strict=True)
-                for sequence in training_sequences(rollout, advantages, aggregation)
+                for sequence in training_sequences(
+                    rollout,
+                    advantages,
+                    aggregation,
+                    None
+                    if cfg.train_think
+                    else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns],
+                )
             ]
             completion_tokens = sum(sum(s.loss_mask) for s in sequences)
             normalizer = loss_normalizer(
@@ -700,6 +815,11 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                     "advantage/zero_group_rate": float((groups.std(dim=1) == 0).float().mean()),
                     "advantage/abs_mean": float(flat_advantages.abs().mean()),
                     "advantage/zero_turn_rate": float((flat_advantages == 0).float().mean()),
+                    **(
+                        {"reward/turn_mean": turn_reward_mean}
+                        if turn_reward_mean is not None
+                        else {}
+                    ),
                     # Tokens through the trainer (prompts included) per second of the step.
                     "perf/tokens_per_s": sum(len(s.input_ids) for s in sequences) / step_seconds,
                     "perf/step_seconds": step_seconds,

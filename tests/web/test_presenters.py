@@ -17,3 +17,35 @@ def test_board_frames_flag_the_random_opening_apart_from_the_models_moves():
     marks = "".join(cell["mark"] for row in last["rows"] for cell in row)
     assert marks == "".join(state["board"])
     assert [cell["last"] for row in last["rows"] for cell in row].count(True) == 1
+
+
+def test_each_model_move_carries_the_solvers_verdict():
+    # The model (X) opens in a corner and, after the opponent takes the centre, plays an
+    # edge: both keep the draw. In the second game the model (O) answers a corner opening
+    # on an edge, which loses: only the centre holds the draw there.
+    state = {
+        "moves": [
+            {"player": "model", "mark": "X", "cell": 0},
+            {"player": "opponent", "mark": "O", "cell": 4},
+            {"player": "model", "mark": "X", "cell": 1},
+        ]
+    }
+    verdicts = [frame["verdict"] for frame in board_frames(state)]
+    assert verdicts == [
+        {"sound": True, "text": "sound: keeps the draw"},
+        None,  # the opponent's moves are not judged
+        {"sound": True, "text": "sound: keeps the draw"},
+    ]
+    lost = {
+        "moves": [
+            {"player": "opponent", "mark": "X", "cell": 0},
+            {"player": "model", "mark": "O", "cell": 1},
+        ]
+    }
+    (_, verdict) = [frame["verdict"] for frame in board_frames(lost)]
+    assert verdict == {"sound": False, "text": "unsound: the draw became a loss"}
+    # Opening moves are random, not the model's choice; an impossible state is not judged.
+    opening = {"moves": [{"player": "model", "mark": "X", "cell": 4, "opening": True}]}
+    assert board_frames(opening)[0]["verdict"] is None
+    broken = {"moves": [{"player": "model", "mark": "Z", "cell": 4}]}
+    assert board_frames(broken)[0]["verdict"] is None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 
+from rlcore.envs.tictactoe import game_over, game_value, other_mark, sound_moves, winner
+
 THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
 TAG = re.compile(r"<(?!think\b)([a-z_]+)>(.*?)</\1>", re.DOTALL)
 
@@ -51,10 +53,36 @@ def present_messages(messages: list[dict], prompt_len: int = 0) -> list[dict]:
     return shown
 
 
+VALUE_NAMES = {1: "a win", 0: "the draw", -1: "a loss"}
+
+
+def move_verdict(board: list[str], cell: int, mark: str) -> dict | None:
+    """Whether playing `mark` on `cell` keeps the game-theoretic value of `board` (the env's
+    solver: `sound_moves`), as {"sound", "text"}; None where the position is not a legal
+    one to judge (a stored state from elsewhere, say)."""
+    try:
+        before = game_value(board, mark)
+        if cell in sound_moves(board, mark):
+            return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}"}
+        after = board[:cell] + [mark] + board[cell + 1 :]
+        now = (
+            0
+            if game_over(after) and winner(after) is None
+            else -game_value(after, other_mark(mark))
+        )
+        return {
+            "sound": False,
+            "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[now]}",
+        }
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
 def board_frames(state: dict) -> list[dict]:
     """The tic-tac-toe board after each move in `state["moves"]` (empty if not a board game);
     moves of a random opening (the env's `opening_moves`, played before the model took
-    over) are flagged so the page does not show them as the model's choices."""
+    over) are flagged so the page does not show them as the model's choices, and each of
+    the model's own moves carries the solver's verdict (`move_verdict`)."""
     moves = state.get("moves")
     if not isinstance(moves, list):
         return []
@@ -64,6 +92,9 @@ def board_frames(state: dict) -> list[dict]:
         if not isinstance(move, dict) or not isinstance(move.get("cell"), int):
             continue
         cell = move["cell"]
+        verdict = None
+        if move.get("player") == "model" and not move.get("opening") and 0 <= cell < 9:
+            verdict = move_verdict(list(board), cell, move.get("mark", ""))
         if 0 <= cell < 9:
             board[cell] = move.get("mark", "?")
         frames.append(
@@ -73,6 +104,7 @@ def board_frames(state: dict) -> list[dict]:
                 "mark": move.get("mark", ""),
                 "cell": cell,
                 "opening": bool(move.get("opening")),
+                "verdict": verdict,
                 "rows": [
                     [{"mark": board[i], "last": i == cell} for i in range(r, r + 3)]
                     for r in (0, 3, 6)
