@@ -124,12 +124,20 @@ def test_every_field_is_documented_and_to_dict_round_trips(cls):
 
 @pytest.mark.parametrize(
     ("name", "cls"),
-    [("synth", SynthConfig), ("sft", SFTConfig), ("rl", RLConfig), ("eval", EvalConfig)],
+    [
+        ("synth", SynthConfig),
+        ("sft", SFTConfig),
+        ("rl", RLConfig),
+        ("rl_sound", RLConfig),
+        ("eval", EvalConfig),
+    ],
 )
 def test_the_tictactoe_tiny_recipes_load(name, cls):
     cfg = load_config(cls, RECIPES / f"{name}.toml")
     assert cfg.env == "tictactoe" if name != "sft" else cfg.model == "tiny"
-    if name == "rl":
+    if name == "rl_sound":
+        assert cfg.turn_reward_weight > 0 and not cfg.train_think
+    if name.startswith("rl"):
         assert cfg.model == load_config(SFTConfig, RECIPES / "sft.toml").output_dir + "/final"
         assert cfg.env_args["num_groups"] > 1
         assert cfg.env_args["min_random_move_prob"] < cfg.env_args["max_random_move_prob"]
