@@ -193,9 +193,8 @@ class RLConfig:
     move that keeps the game-theoretic value, 0 for one that gives some away or is
     invalid) in each turn's advantage: that reward minus its baseline (the mean over the
     group's turns in the same position where their rewards differ, else over the batch's
-    turns), times this, is added
-    to the episode advantage. 0 trains on episode rewards alone; above 0 the env must
-    give per-turn rewards"""
+    turns), times this, is added to the episode advantage. 0 trains on episode rewards
+    alone; above 0 the env must give per-turn rewards"""
     train_think: bool = True
     """false: the loss skips each reply's think block (its tokens through `</think>`), so
     RL credits only the answer; for models whose thinking is a fixed routine learnt in SFT

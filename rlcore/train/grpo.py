@@ -6,13 +6,16 @@ One step, as `run_rl` does it from top to bottom:
 2. play `rollouts_per_example` rollouts of each with a `LocalEngine` that shares the
    training model, so rollouts always sample the current weights;
 3. score them (the env's rubric already did: `rollout.reward`) and turn rewards into
-   group advantages, reward minus the mean of its group (`group_advantages`);
+   group advantages, reward minus the mean of its group (`group_advantages`), or per-move
+   ones (`tree_advantages`), plus, with `turn_reward_weight`, the env's own verdict on
+   each move (`turn_reward_advantages`);
 4. build training sequences from each rollout's turns, with the token ids straight from
    generation, never re-tokenized text (`build_sequences`): the loss mask is 1 exactly on
-   sampled tokens;
+   sampled tokens (with `train_think` off, on those after each reply's think block);
 5. recompute the old logprobs with a no-grad forward pass (and the reference model's, for
-   the KL term; with one update and no KL the update's own pass gives them), then take `num_iterations` optimizer updates on the masked loss
-   (`policy_loss`: grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
+   the KL term; with one update and no KL the update's own pass gives them), then take
+   `num_iterations` optimizer updates on the masked loss (`policy_loss`: grpo, cispo or
+   dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
 Checkpoints hold everything a resumed run needs to continue exactly where this one was:
