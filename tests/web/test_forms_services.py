@@ -131,7 +131,7 @@ def test_job_form_defaults_come_from_the_kind(alice):
     assert "num_examples" not in form.fields
     # The recipe's credit assignment is the form's default; both estimators are offered.
     assert form.fields["advantage"].initial == "tree"
-    assert [value for value, _ in form.fields["advantage"].choices] == ["group", "tree"]
+    assert [value for value, _ in form.fields["advantage"].choices] == ["group", "tree", "none"]
     assert form.fields["loss_aggregation"].initial == "turn"
 
 
