@@ -47,5 +47,18 @@ def test_each_model_move_carries_the_solvers_verdict():
     # Opening moves are random, not the model's choice; an impossible state is not judged.
     opening = {"moves": [{"player": "model", "mark": "X", "cell": 4, "opening": True}]}
     assert board_frames(opening)[0]["verdict"] is None
+    # In a lost position every move is sound, and the verdict says why.
+    lost_anyway = {
+        "moves": [
+            {"player": "opponent", "mark": "X", "cell": 0},
+            {"player": "model", "mark": "O", "cell": 1},
+            {"player": "opponent", "mark": "X", "cell": 4},
+            {"player": "model", "mark": "O", "cell": 8},
+        ]
+    }
+    assert board_frames(lost_anyway)[3]["verdict"] == {
+        "sound": True,
+        "text": "sound: already lost, no move saves it",
+    }
     broken = {"moves": [{"player": "model", "mark": "Z", "cell": 4}]}
     assert board_frames(broken)[0]["verdict"] is None

@@ -63,6 +63,8 @@ def move_verdict(board: list[str], cell: int, mark: str) -> dict | None:
     try:
         before = game_value(board, mark)
         if cell in sound_moves(board, mark):
+            if before < 0:
+                return {"sound": True, "text": "sound: already lost, no move saves it"}
             return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}"}
         after = board[:cell] + [mark] + board[cell + 1 :]
         now = (
