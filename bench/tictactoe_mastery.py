@@ -12,7 +12,8 @@ Stages, each timed, all on the machine's own device (a 2-core CPU is the referen
 
 Prints the base / SFT / RL table and each stage's wall time; writes
 `bench/results/tictactoe_mastery.json`; keeps every stage's checkpoint directory so anyone
-can re-run `python -m rlcore eval tictactoe --model <dir> ...` on it.
+can re-run `python -m rlcore eval tictactoe --model <dir> ...` on it, and every RL step's
+metrics in `<out>/rl/metrics.jsonl`.
 
     python bench/tictactoe_mastery.py                # the full run (30 min budget)
     python bench/tictactoe_mastery.py --quick        # a few minutes, to check the plumbing
