@@ -133,19 +133,25 @@ def game_value(board: Sequence[str] | str, player: str) -> int:
     return (score > 0) - (score < 0)
 
 
+def move_values(board: Sequence[str] | str, player: str) -> dict[int, int]:
+    """For every empty cell, the game-theoretic value (1, 0 or -1) for `player` after
+    playing there; the position's own `game_value` is the best of them."""
+    text = _board_string(board)
+    _check_mark(player)
+    if game_over(text):
+        raise ValueError(f"no moves: the game on board {text!r} is over")
+    return {cell: (score > 0) - (score < 0) for cell, score in _move_scores(text, player)}
+
+
 def sound_moves(board: Sequence[str] | str, player: str) -> list[int]:
     """Every cell whose move keeps the game-theoretic value for `player` (`game_value`):
     from a won position the moves that still win, from a drawn one those that still draw,
     from a lost one every move. A player who only ever makes sound moves never loses a
     game it could draw and never draws one it could win; unlike `minimax_best_moves`,
     slower wins and every drawing move count."""
-    text = _board_string(board)
-    _check_mark(player)
-    if game_over(text):
-        raise ValueError(f"no moves: the game on board {text!r} is over")
-    scores = _move_scores(text, player)
-    value = game_value(text, player)
-    return [cell for cell, score in scores if (score > 0) - (score < 0) == value]
+    values = move_values(board, player)
+    best = max(values.values())
+    return [cell for cell, value in values.items() if value == best]
 
 
 def minimax_best_moves(board: Sequence[str] | str, player: str) -> list[int]:
@@ -565,10 +571,9 @@ class TicTacToeEnv(MultiTurnEnv):
         cell, error = parse_move(messages[-1].get("content"), board)
         if error is not None:
             state["invalid_moves"] += 1
-            state.setdefault("move_sound", []).append(None)
+            state["move_sound"].append(None)
             return [{"role": "user", "content": board_message(board, error=error)}]
-        sound = cell in sound_moves(board, state["model_mark"])
-        state.setdefault("move_sound", []).append(sound)
+        state["move_sound"].append(cell in sound_moves(board, state["model_mark"]))
         _play(board, state["moves"], cell, state["model_mark"], "model")
         opponent_cell = None
         if not game_over(board):

@@ -54,7 +54,7 @@ from rlcore.train.sft import (
     save_checkpoint,
     seed_everything,
 )
-from rlcore.types import Rollout, SamplingParams
+from rlcore.types import Rollout, SamplingParams, Turn
 
 TRAINER_STATE = "trainer_state.pt"
 # Config fields a resumed run may change without changing what it computes.
@@ -85,6 +85,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tor
     return advantages.flatten()
 
 
+def position(turn: Turn) -> object:
+    """The position a turn answered: the env's `decision_key`, else its prompt's token ids."""
+    return turn.state_key or tuple(turn.prompt_ids)
+
+
 def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float]]:
     """Per-turn advantages from the tree a group's rollouts make: credit to each move.
 
@@ -110,7 +115,7 @@ def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float
         totals: dict[tuple, list[float]] = {}  # node -> [sum of returns, count]
         paths = []
         for index, rollout in enumerate(group):
-            states = [("state", turn.state_key or tuple(turn.prompt_ids)) for turn in rollout.turns]
+            states = [("state", position(turn)) for turn in rollout.turns]
             children = states[1:] + [("end", index)]
             paths.append(list(zip(states, children, strict=True)))
             for node in set(states) | set(children):
@@ -164,7 +169,7 @@ def turn_reward_advantages(
         seen: dict[object, list[float]] = {}  # position -> rewards of the moves made there
         keys = []
         for rollout, rewards in group:
-            row = [turn.state_key or tuple(turn.prompt_ids) for turn in rollout.turns]
+            row = [position(turn) for turn in rollout.turns]
             keys.append(row)
             for key, reward in zip(row, rewards, strict=True):
                 seen.setdefault(key, []).append(reward)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from rlcore.envs.tictactoe import game_over, game_value, other_mark, sound_moves, winner
+from rlcore.envs.tictactoe import move_values
 
 THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
 TAG = re.compile(r"<(?!think\b)([a-z_]+)>(.*?)</\1>", re.DOTALL)
@@ -58,26 +58,18 @@ VALUE_NAMES = {1: "a win", 0: "the draw", -1: "a loss"}
 
 def move_verdict(board: list[str], cell: int, mark: str) -> dict | None:
     """Whether playing `mark` on `cell` keeps the game-theoretic value of `board` (the env's
-    solver: `sound_moves`), as {"sound", "text"}; None where the position is not a legal
+    solver: `move_values`), as {"sound", "text"}; None where the position is not a legal
     one to judge (a stored state from elsewhere, say)."""
     try:
-        before = game_value(board, mark)
-        if cell in sound_moves(board, mark):
-            if before < 0:
-                return {"sound": True, "text": "sound: already lost, no move saves it"}
-            return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}"}
-        after = board[:cell] + [mark] + board[cell + 1 :]
-        now = (
-            0
-            if game_over(after) and winner(after) is None
-            else -game_value(after, other_mark(mark))
-        )
-        return {
-            "sound": False,
-            "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[now]}",
-        }
-    except (ValueError, KeyError, IndexError):
+        values = move_values(board, mark)
+        before, after = max(values.values()), values[cell]
+    except (ValueError, KeyError):
         return None
+    if after == before:
+        if before < 0:
+            return {"sound": True, "text": "sound: already lost, no move saves it"}
+        return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}"}
+    return {"sound": False, "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[after]}"}
 
 
 def board_frames(state: dict) -> list[dict]:
