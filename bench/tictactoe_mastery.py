@@ -88,6 +88,7 @@ def evaluate(model: str, games: int, args, label: str) -> dict:
                 "min_random_move_prob": random_move_prob,
                 "max_random_move_prob": random_move_prob,
                 "max_turns": args.max_turns,
+                "reasoning": args.reasoning,
             },
             num_examples=games,
             max_tokens=args.max_tokens,
@@ -110,6 +111,7 @@ def evaluate(model: str, games: int, args, label: str) -> dict:
             "invalid_move_rate": summary["env_metrics"]["tictactoe/invalid_move_rate"],
             "format": summary["functions"]["format"]["mean"],
             "sound_move_rate": summary["env_metrics"]["tictactoe/sound_move_rate"],
+            "think_correct_rate": summary["env_metrics"]["tictactoe/think_correct_rate"],
             "seconds": round(time.monotonic() - started, 1),
         }
     return rows
@@ -121,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-minutes", type=float, default=30.0, help="wall time for synth + SFT + RL together"
     )
     parser.add_argument("--sft-games", type=int, default=200)
+    parser.add_argument(
+        "--reasoning",
+        default="empty",
+        choices=["empty", "threats"],
+        help="the teacher's think block (env param `reasoning`): the empty cells, or also "
+        "the cells that win and those that block; the teacher's moves stay random",
+    )
     parser.add_argument("--sft-epochs", type=int, default=40)
     parser.add_argument("--rl-min-p", type=float, default=0.0)
     parser.add_argument("--rl-max-p", type=float, default=1.0)
@@ -202,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)
     checkpoints["base"] = base
-    env_args = {"max_turns": args.max_turns, "num_groups": 4}
+    env_args = {"max_turns": args.max_turns, "num_groups": 4, "reasoning": args.reasoning}
 
     # 2. Teacher data from the random-valid player; losses and unfinished games dropped.
     started = time.monotonic()
@@ -284,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 "outcome/loss",
                 "tictactoe/invalid_move_rate",
                 "tictactoe/sound_move_rate",
+                "tictactoe/think_correct_rate",
             ],
             out / "rl" / "metrics.jsonl",
         ),
@@ -335,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 def format_table(results: dict, times: dict) -> str:
     header = (
         f"{'stage':<6} {'opponent':<8} {'games':>5} {'win':>7} {'draw':>7} {'loss':>7} "
-        f"{'unfin':>6} {'invalid':>8} {'format':>7} {'sound':>7}"
+        f"{'unfin':>6} {'invalid':>8} {'format':>7} {'sound':>7} {'think':>7}"
     )
     lines = [header, "-" * len(header)]
     for stage, rows in results.items():
@@ -344,7 +354,7 @@ def format_table(results: dict, times: dict) -> str:
                 f"{stage:<6} {opponent:<8} {row['games']:>5} {row['win']:>7.1%} "
                 f"{row['draw']:>7.1%} {row['loss']:>7.1%} {row['unfinished']:>6.1%} "
                 f"{row['invalid_move_rate']:>8.2%} {row['format']:>7.1%} "
-                f"{row['sound_move_rate']:>7.1%}"
+                f"{row['sound_move_rate']:>7.1%} {row.get('think_correct_rate', 0):>7.1%}"
             )
     lines.append("")
     lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))

@@ -27,6 +27,8 @@ from rlcore.envs.tictactoe import (
     parse_move,
     render_board,
     sound_moves,
+    think_text,
+    winning_cells,
 )
 from rlcore.policy import load_policy
 from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
@@ -91,6 +93,7 @@ def test_registry_builds_the_env_with_defaults():
         "opening_moves": 0,
         "draw_reward": 0.5,
         "loss_reward": 0.0,
+        "reasoning": "empty",
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
     }
@@ -375,6 +378,52 @@ async def test_the_sound_move_record_matches_a_replay_of_random_games():
         seen.update(replayed)
     # A random player against a perfect one makes both kinds of move.
     assert seen[True] > 0 and seen[False] > 0
+
+
+def test_winning_cells_are_the_lines_one_move_from_done():
+    assert winning_cells("." * 9, "X") == []
+    # X on 0, 1 and 4 completes the top row at 2, the middle column at 7, a diagonal at 8.
+    board = "XX..X...."
+    assert winning_cells(board, "X") == [2, 7, 8]
+    assert winning_cells(board, "O") == []
+    # A line already blocked by the other mark threatens nothing.
+    assert winning_cells("XXO......", "X") == []
+    # O on 2, 3 and 5: the middle row at 4, the right column at 8.
+    assert winning_cells("XXOO.O...", "O") == [4, 8]
+    with pytest.raises(ValueError, match="mark"):
+        winning_cells("." * 9, "Z")
+
+
+def test_think_text_states_the_board_in_the_reasoning_format():
+    board = "XX.OO...."
+    assert think_text(board, "X") == "Empty: 2 5 6 7 8."
+    assert think_text(board, "X", "threats") == "Empty: 2 5 6 7 8. Win: 2. Block: 5."
+    assert think_text(board, "O", "threats") == "Empty: 2 5 6 7 8. Win: 5. Block: 2."
+    assert think_text("." * 9, "O", "threats").endswith("Win: none. Block: none.")
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        think_text(board, "X", "vibes")
+
+
+@pytest.mark.parametrize("reasoning", ["empty", "threats"])
+async def test_built_in_players_think_in_the_env_format_and_the_env_checks_it(reasoning):
+    env = TicTacToeEnv(reasoning=reasoning, min_random_move_prob=0.5)
+    rollouts = await play_all(env, RandomValidPolicy(), 20)
+    for rollout in rollouts:
+        assert rollout.state["think_correct"] == [True] * rollout.num_turns
+        assert env.rollout_metrics(rollout)["think_correct_rate"] == 1.0
+        boards = [m["content"] for m in rollout.completion if m["role"] == "assistant"]
+        assert all(("Win: " in text) == (reasoning == "threats") for text in boards)
+    # A reply that misreads the board is counted wrong, whatever its move.
+    example = first_example(env, model_starts=True)
+    wrong = "<think>Empty: 0 1 2 3 4 5 6 7 8. Win: 4. Block: none.</think><move>4</move>"
+    rollout = await env.rollout(ScriptedPolicy([wrong]), example, SAMPLING)
+    assert rollout.state["think_correct"][0] is False
+    assert all(rollout.state["think_correct"][1:])
+
+
+def test_an_unknown_reasoning_format_is_refused():
+    with pytest.raises(ParamError, match="reasoning"):
+        TicTacToeEnv(reasoning="vibes")
 
 
 async def test_final_state_records_the_whole_game():

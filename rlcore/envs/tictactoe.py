@@ -54,6 +54,8 @@ LINES = (
 # A win pays 1; the draw and loss rewards are env params (an unfinished game pays the loss
 # reward), these their defaults.
 OUTCOME_REWARD = {"win": 1.0, "draw": 0.5, "loss": 0.0}
+# What a think block reads off the board (`think_text`).
+REASONING_FORMATS = ("empty", "threats")
 MOVE_FORMAT_HINT = "reply with <move>N</move>, N in 0-8"
 
 # ---------------------------------------------------------------------------------------
@@ -428,6 +430,17 @@ class TicTacToeEnv(MultiTurnEnv):
             max=1.0,
         ),
         Param(
+            "reasoning",
+            str,
+            "empty",
+            "What the built-in players write in their think block, so what SFT on their "
+            "games teaches a model to think: 'empty' lists the empty cells; 'threats' adds "
+            "the cells that complete a line for the mover ('Win:') and for the opponent "
+            "('Block:'). Either way the moves are the players' own; the think block only "
+            "reads the board.",
+            choices=REASONING_FORMATS,
+        ),
+        Param(
             "invalid_move_penalty",
             float,
             0.1,
@@ -542,6 +555,9 @@ class TicTacToeEnv(MultiTurnEnv):
             # Per model reply: whether its move was sound (kept the game-theoretic value),
             # None for an invalid reply.
             "move_sound": [],
+            # Per model reply: whether its think block read the board right (`think_text`).
+            "think_correct": [],
+            "reasoning": self.config["reasoning"],
             "invalid_moves": 0,
             "model_turns": 0,
         }
@@ -568,7 +584,10 @@ class TicTacToeEnv(MultiTurnEnv):
     def env_response(self, messages: list[Message], state: dict) -> list[Message]:
         state["model_turns"] += 1
         board = state["board"]
-        cell, error = parse_move(messages[-1].get("content"), board)
+        reply = messages[-1].get("content")
+        expected = think_text(board, state["model_mark"], state["reasoning"])
+        state["think_correct"].append(_think_parser.think(reply) == expected)
+        cell, error = parse_move(reply, board)
         if error is not None:
             state["invalid_moves"] += 1
             state["move_sound"].append(None)
@@ -596,12 +615,16 @@ class TicTacToeEnv(MultiTurnEnv):
         invalid = rollout.state.get("invalid_moves", 0)
         turns = rollout.state.get("model_turns", 0)
         sound = rollout.state.get("move_sound", [])
+        thinks = rollout.state.get("think_correct", [])
         return {
             "invalid_moves": float(invalid),
             "invalid_move_rate": invalid / turns if turns else 0.0,
             "format_rate": format_reward(completion=rollout.completion),
             # Share of the model's replies that were sound moves (an invalid one is not).
             "sound_move_rate": sum(s is True for s in sound) / len(sound) if sound else 0.0,
+            # Share of the model's replies whose think block stated the board's facts
+            # exactly as the env's `reasoning` format does.
+            "think_correct_rate": sum(thinks) / len(thinks) if thinks else 0.0,
         }
 
     def turn_rewards(self, rollout: Rollout) -> list[float] | None:
@@ -631,15 +654,48 @@ class TicTacToeEnv(MultiTurnEnv):
 # Built-in players
 
 
-def think_reply(board: Sequence[str] | str, move: int) -> str:
-    """The built-in players' reply: the empty cells read off the board, then the move.
+def winning_cells(board: Sequence[str] | str, mark: str) -> list[int]:
+    """The empty cells that would complete a line of `mark` (a win for it on the spot)."""
+    text = _board_string(board)
+    _check_mark(mark)
+    cells = set()
+    for line in LINES:
+        marks = [text[i] for i in line]
+        if marks.count(mark) == 2 and marks.count(EMPTY) == 1:
+            cells.add(line[marks.index(EMPTY)])
+    return sorted(cells)
 
-    Listing the empty cells is the reasoning a model copies most easily and the one that
-    keeps its moves legal; the choice itself is left to the move tag alone (a "I pick N."
-    in the think block, decided there and copied into the tag, made SFT'd models play
-    more invalid moves and learn slower under RL: docs/mastery.md)."""
-    empties = " ".join(map(str, empty_cells(board)))
-    return f"<think>Empty: {empties}.</think><move>{move}</move>"
+
+def think_text(board: Sequence[str] | str, mark: str, reasoning: str = "empty") -> str:
+    """What the built-in players think before moving as `mark`, in `reasoning` format:
+    'Empty: 0 4 8.' and, for 'threats', 'Win: 2. Block: none.' (the cells where `mark`
+    completes a line, then those where the opponent would). Facts about the board only,
+    never the choice: the env counts a model's think block right when it equals this."""
+    if reasoning not in REASONING_FORMATS:
+        raise ValueError(f"reasoning must be one of {REASONING_FORMATS}, got {reasoning!r}")
+    text = f"Empty: {_cell_list(empty_cells(board))}."
+    if reasoning == "threats":
+        wins = _cell_list(winning_cells(board, mark))
+        blocks = _cell_list(winning_cells(board, other_mark(mark)))
+        text += f" Win: {wins}. Block: {blocks}."
+    return text
+
+
+def _cell_list(cells: list[int]) -> str:
+    return " ".join(map(str, cells)) or "none"
+
+
+def think_reply(
+    board: Sequence[str] | str, move: int, mark: str = "X", reasoning: str = "empty"
+) -> str:
+    """The built-in players' reply: the board read in the think block (`think_text`),
+    then the move.
+
+    The think block states facts (empty cells, and for 'threats' the lines one move from
+    done); the choice itself is left to the move tag alone (a "I pick N." in the think
+    block, decided there and copied into the tag, made SFT'd models play more invalid
+    moves and learn slower under RL: docs/mastery.md)."""
+    return f"<think>{think_text(board, mark, reasoning)}</think><move>{move}</move>"
 
 
 class _BoardPolicy(Policy):
@@ -664,6 +720,11 @@ class _BoardPolicy(Policy):
         )
         return board, state["model_mark"], rng
 
+    def _think_reply(self, board: str, move: int, state: dict) -> Generation:
+        """The reply in the reasoning format of the env whose `state` this is."""
+        reasoning = state.get("reasoning", "empty")
+        return self._reply(think_reply(board, move, state["model_mark"], reasoning))
+
     @staticmethod
     def _reply(text: str) -> Generation:
         return Generation(text=text, completion_tokens=len(text.split()))
@@ -679,7 +740,7 @@ class OraclePolicy(_BoardPolicy):
     async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
         board, mark, rng = self._board_and_rng(sampling, state)
         move = rng.choice(oracle_best_moves(board, mark))
-        return self._reply(think_reply(board, move))
+        return self._think_reply(board, move, state)
 
 
 class RandomValidPolicy(_BoardPolicy):
@@ -690,7 +751,7 @@ class RandomValidPolicy(_BoardPolicy):
     async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
         board, _, rng = self._board_and_rng(sampling, state)
         move = rng.choice(empty_cells(board))
-        return self._reply(think_reply(board, move))
+        return self._think_reply(board, move, state)
 
 
 # ---------------------------------------------------------------------------------------
