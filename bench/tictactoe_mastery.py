@@ -167,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rl-draw-reward", type=float, default=0.5)
     parser.add_argument(
+        "--rl-think-reward",
+        type=float,
+        default=0.0,
+        help="env param think_reward: per-turn reward for a think block that reads the board "
+        "right (needs --rl-turn-reward-weight)",
+    )
+    parser.add_argument(
         "--rl-loss-reward",
         type=float,
         default=0.0,
@@ -264,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 "opening_moves": args.rl_opening_moves,
                 "draw_reward": args.rl_draw_reward,
                 "loss_reward": args.rl_loss_reward,
+                "think_reward": args.rl_think_reward,
             },
             output_dir=str(out / "rl"),
             max_steps=args.rl_max_steps,

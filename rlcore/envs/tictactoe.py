@@ -441,6 +441,15 @@ class TicTacToeEnv(MultiTurnEnv):
             choices=REASONING_FORMATS,
         ),
         Param(
+            "think_reward",
+            float,
+            0.0,
+            "Per-turn reward (`turn_rewards`) added for a think block that states the "
+            "board's facts exactly as the `reasoning` format does, so RL that credits moves "
+            "one by one also keeps the reasoning true.",
+            min=0.0,
+        ),
+        Param(
             "invalid_move_penalty",
             float,
             0.1,
@@ -628,14 +637,20 @@ class TicTacToeEnv(MultiTurnEnv):
         }
 
     def turn_rewards(self, rollout: Rollout) -> list[float] | None:
-        """1 for each reply whose move kept the game-theoretic value (`sound_moves`), 0 for
-        one that gave some away or was invalid: a per-move reward the env verifies with
-        its own solver, for trainers that credit moves one by one (RL's
-        `turn_reward_weight`). None when the rollout has no such record."""
+        """For each reply: 1 if its move kept the game-theoretic value (`sound_moves`), 0
+        if it gave some away or was invalid, plus `think_reward` if its think block read
+        the board right. A per-move reward the env verifies with its own solver, for
+        trainers that credit moves one by one (RL's `turn_reward_weight`). None when the
+        rollout has no such record."""
         sound = rollout.state.get("move_sound")
         if sound is None:
             return None
-        return [1.0 if s is True else 0.0 for s in sound]
+        bonus = self.config["think_reward"]
+        thinks = rollout.state.get("think_correct") or [False] * len(sound)
+        return [
+            (1.0 if s is True else 0.0) + (bonus if t else 0.0)
+            for s, t in zip(sound, thinks, strict=True)
+        ]
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         source = rollout.info if "model_mark" in rollout.info else rollout.state
