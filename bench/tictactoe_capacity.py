@@ -1,0 +1,111 @@
+"""Diagnostic: can the tiny model represent master play at all, and from how many games?
+
+Not the mastery benchmark (whose teacher may be no stronger than random): here the model is
+fine-tuned on games of a chosen teacher, the oracle included, then evaluated like
+`bench/tictactoe_mastery.py` (greedy games against a random and an optimal opponent). With
+the oracle as teacher the result is a ceiling for what SFT-sized training can put into a
+model of this size; if even that ceiling is far from the mastery targets, RL on the same
+model and budget cannot reach them either, and the size or the data is what limits it.
+
+    python bench/tictactoe_capacity.py --teacher oracle --games 200
+    python bench/tictactoe_capacity.py --teacher oracle --games 2000 --hidden-size 256
+
+Prints one table (SFT stage, both opponents) and writes `--results` (JSON, the mastery
+benchmark's per-opponent fields plus the SFT wall time and the checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from tictactoe_mastery import evaluate, format_table  # noqa: E402
+
+from rlcore.events import ConsoleSink  # noqa: E402
+from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
+from rlcore.train.config import SFTConfig, SynthConfig  # noqa: E402
+from rlcore.train.sft import run_sft  # noqa: E402
+from rlcore.train.synth import run_synth  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--teacher", default="oracle", choices=["oracle", "random"])
+    parser.add_argument("--games", type=int, default=200, help="teacher games kept for SFT")
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--reasoning", default="empty", choices=["empty", "threats"])
+    parser.add_argument("--eval-games", type=int, default=1000)
+    parser.add_argument("--eval-concurrency", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-turns", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "tictactoe_capacity"))
+    parser.add_argument(
+        "--results", default=str(ROOT / "bench" / "results" / "tictactoe_capacity.json")
+    )
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)
+    env_args = {"max_turns": args.max_turns, "num_groups": 4, "reasoning": args.reasoning}
+
+    started = time.monotonic()
+    synth = run_synth(
+        SynthConfig(
+            env="tictactoe",
+            env_args={**env_args, "min_random_move_prob": 0.5, "max_random_move_prob": 1.0},
+            model=args.teacher,
+            num_examples=20 * args.games,
+            max_kept=args.games,
+            exclude_outcomes=["loss", "unfinished"],
+            require_format=True,
+            max_invalid_moves=0,
+            output_dir=str(out / "synth"),
+        ),
+        ConsoleSink(),
+    )
+    sft_dir = run_sft(
+        SFTConfig(
+            model=base,
+            dataset=synth["path"],
+            output_dir=str(out / "sft"),
+            epochs=args.epochs,
+            batch_size=args.batch,
+            micro_batch_size=args.batch,
+            lr=args.lr,
+            warmup_steps=10,
+            seed=args.seed,
+            device=args.device,
+        ),
+        ConsoleSink(metric_keys=["loss/sft", "optim/lr"]),
+    )
+    sft_seconds = time.monotonic() - started
+    results = {"sft": evaluate(sft_dir, args.eval_games, args, "sft")}
+    report = {
+        "benchmark": "tictactoe_capacity",
+        "args": vars(args),
+        "synth": {k: v for k, v in synth.items() if k != "path"} | {"path": synth["path"]},
+        "stages": results,
+        "wall_seconds": {"synth_and_sft": round(sft_seconds, 1)},
+        "checkpoints": {"base": base, "sft": sft_dir},
+    }
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(format_table(results, {"synth_and_sft": sft_seconds}))
+    print(f"\nresults: {args.results}\nSFT checkpoint: {sft_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
