@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-batch", type=int, default=64)
     parser.add_argument("--rl-group", type=int, default=8)
     parser.add_argument("--rl-lr", type=float, default=1e-4)
+    parser.add_argument("--rl-warmup", type=int, default=0, help="RL warm-up steps")
+    parser.add_argument("--rl-adam-eps", type=float, default=1e-8, help="RL AdamW epsilon")
     parser.add_argument("--rl-temperature", type=float, default=0.7)
     parser.add_argument("--rl-loss", default="grpo", choices=["grpo", "cispo", "dr_grpo"])
     parser.add_argument("--rl-aggregation", default="turn", choices=["token", "sequence", "turn"])
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             num_iterations=args.rl_iterations,
             seed=args.seed,
             lr=args.rl_lr,
+            warmup_steps=args.rl_warmup,
+            adam_eps=args.rl_adam_eps,
             temperature=args.rl_temperature,
             max_tokens=args.max_tokens,
             micro_batch_size=32,

@@ -127,6 +127,9 @@ class SFTConfig:
     """final learning rate of the cosine decay, as a fraction of lr"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon: a parameter whose gradient is far below it moves less than lr per
+    step (1e-8 lets even tiny, noisy gradients take full-size steps)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (0: no clipping)"""
     max_seq_len: int = 1024
@@ -227,6 +230,9 @@ class RLConfig:
     """final learning rate of the cosine decay, as a fraction of lr"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon: a parameter whose gradient is far below it moves less than lr per
+    step (1e-8 lets even tiny, noisy gradients take full-size steps)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (0: no clipping)"""
     temperature: float = 1.0
@@ -333,6 +339,8 @@ def _check_optimizer(errors: list[str], cfg) -> None:
         errors.append(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio!r}")
     if cfg.max_grad_norm < 0:
         errors.append(f"max_grad_norm must be >= 0, got {cfg.max_grad_norm!r}")
+    if not cfg.adam_eps > 0:
+        errors.append(f"adam_eps must be > 0, got {cfg.adam_eps!r}")
     if cfg.save_every < 0:
         errors.append(f"save_every must be >= 0, got {cfg.save_every!r}")
 

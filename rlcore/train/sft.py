@@ -105,6 +105,7 @@ def build_optimizer(model, cfg, total_updates: int):
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         betas=(0.9, 0.95),
+        eps=cfg.adam_eps,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
