@@ -94,6 +94,7 @@ def test_registry_builds_the_env_with_defaults():
         "draw_reward": 0.5,
         "loss_reward": 0.0,
         "reasoning": "empty",
+        "think_reward": 0.0,
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
     }
@@ -419,6 +420,49 @@ async def test_built_in_players_think_in_the_env_format_and_the_env_checks_it(re
     rollout = await env.rollout(ScriptedPolicy([wrong]), example, SAMPLING)
     assert rollout.state["think_correct"][0] is False
     assert all(rollout.state["think_correct"][1:])
+
+
+class RightThinkTakenCell(Policy):
+    """Reads the board right in the threats format, then plays the taken centre."""
+
+    name = "right-think-taken-cell"
+
+    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
+        think = think_text(state["board"], state["model_mark"], "threats")
+        return Generation(text=f"<think>{think}</think><move>4</move>")
+
+
+async def test_think_reward_adds_to_the_turn_reward_of_a_reply_that_reads_the_board_right():
+    # A wrong think with a sound move (the centre of the empty board), a right think with
+    # an invalid move (the centre again), then the oracle (right think, sound move).
+    wrong = "<think>Empty: 0 1 2.</think><move>4</move>"
+    rewards = {}
+    for bonus in (0.0, 0.5):
+        env = TicTacToeEnv(model_mark="X", max_turns=30, reasoning="threats", think_reward=bonus)
+        example = first_example(env, model_starts=True)
+        policy = ScriptedPolicy([wrong], then=_Switch(RightThinkTakenCell(), OraclePolicy()))
+        rollout = await env.rollout(policy, example, SAMPLING)
+        thinks, sound = rollout.state["think_correct"], rollout.state["move_sound"]
+        assert thinks[:2] == [False, True] and all(thinks[2:])
+        assert sound[0] is True and sound[1] is None and all(sound[2:])
+        rewards[bonus] = env.turn_rewards(rollout)
+    rest = len(rewards[0.0]) - 2
+    assert rewards[0.0] == [1.0, 0.0] + [1.0] * rest
+    assert rewards[0.5] == [1.0, 0.5] + [1.5] * rest
+
+
+class _Switch(Policy):
+    """`first` for one reply, then `then`."""
+
+    name = "switch"
+
+    def __init__(self, first: Policy, then: Policy):
+        self.first, self.then, self.used = first, then, False
+
+    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
+        policy = self.then if self.used else self.first
+        self.used = True
+        return await policy.generate(messages, sampling, tools=tools, state=state)
 
 
 def test_an_unknown_reasoning_format_is_refused():

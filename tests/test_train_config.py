@@ -88,12 +88,27 @@ def test_an_unknown_key_is_named_with_its_source_and_the_valid_keys(tmp_path):
         ("device=tpu", r"device must be one of \['auto', 'cpu', 'cuda'\], got 'tpu'"),
         ("batch_size=30", r"batch_size \(30\) must be a multiple of rollouts_per_example \(8\)"),
         ("lr=0", "lr must be > 0, got 0.0"),
+        ("adam_eps=0", "adam_eps must be > 0, got 0.0"),
         ("no_equals_sign", "'no_equals_sign' is not of the form key=value"),
     ],
 )
 def test_bad_values_are_refused_with_what_would_be_accepted(override, problem):
     with pytest.raises(ConfigError, match=problem):
         load_config(RLConfig, None, [override])
+
+
+def test_adam_eps_reaches_the_optimizer():
+    import torch
+
+    from rlcore.train.sft import build_optimizer
+
+    model = torch.nn.Linear(2, 2)
+    for cls in (RLConfig, SFTConfig):
+        cfg = load_config(cls, None, ["adam_eps=0.0001"])
+        optimizer, _ = build_optimizer(model, cfg, 10)
+        assert optimizer.param_groups[0]["eps"] == 0.0001
+    optimizer, _ = build_optimizer(model, RLConfig(), 10)
+    assert optimizer.param_groups[0]["eps"] == 1e-8
 
 
 def test_contradicting_settings_are_refused():
