@@ -163,6 +163,7 @@ def test_a_rollout_opens_in_the_inspector_with_its_conversation_and_board(page: 
     assert boards.count() >= 3  # the model and the opponent take turns
     # Each of the model's moves carries the solver's verdict.
     expect(page.locator("[data-testid=verdict]").first).to_contain_text("sound")
+    expect(page.locator("[data-testid=think-verdict]").first).to_contain_text("think: ")
     expect(page.locator("#reward-functions tbody tr").first).to_be_visible()
     screenshot(page, "rollout.png")
 

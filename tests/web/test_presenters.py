@@ -62,3 +62,35 @@ def test_each_model_move_carries_the_solvers_verdict():
     }
     broken = {"moves": [{"player": "model", "mark": "Z", "cell": 4}]}
     assert board_frames(broken)[0]["verdict"] is None
+
+
+async def test_each_model_move_says_whether_its_think_block_read_the_board_right():
+    from rlcore.envs.tictactoe import OraclePolicy
+    from rlcore.policy.base import Policy
+    from rlcore.types import Generation, SamplingParams
+
+    class MisreadThenOracle(Policy):
+        """First a misread board with a legal move, then an invalid reply, then the oracle."""
+
+        name = "misread-then-oracle"
+
+        def __init__(self):
+            self.replies = ["<think>Empty: 0.</think><move>4</move>", "<move>4</move>"]
+
+        async def generate(self, messages, sampling, *, tools=None, state=None):
+            if self.replies:
+                return Generation(text=self.replies.pop(0))
+            return await OraclePolicy().generate(messages, sampling, state=state)
+
+    env = TicTacToeEnv(model_mark="X", max_turns=30)
+    example = next(e for e in env.examples(64, seed=0) if e.info["model_starts"])
+    rollout = await env.rollout(MisreadThenOracle(), example, SamplingParams())
+    # The invalid second reply played nothing, so it has no frame; the oracle reads right.
+    assert rollout.state["think_correct"][:2] == [False, False]
+    frames = board_frames(rollout.state)
+    model = [frame["think"] for frame in frames if frame["player"] == "model"]
+    assert model[0] is False and len(model) >= 2 and all(model[1:])
+    assert all(frame["think"] is None for frame in frames if frame["player"] == "opponent")
+    # A state without the record (older runs) shows no think verdicts.
+    del rollout.state["think_correct"]
+    assert all(frame["think"] is None for frame in board_frames(rollout.state))

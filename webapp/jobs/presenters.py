@@ -72,23 +72,40 @@ def move_verdict(board: list[str], cell: int, mark: str) -> dict | None:
     return {"sound": False, "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[after]}"}
 
 
+def _think_verdicts(state: dict) -> list[bool] | None:
+    """Whether the think block of each of the model's played moves read the board right,
+    in move order: the env records one entry per reply in `think_correct` and
+    `move_sound` (None there for an invalid reply, which played nothing). None when the
+    state holds no such record or the two records disagree in length."""
+    thinks, sound = state.get("think_correct"), state.get("move_sound")
+    if not isinstance(thinks, list) or not isinstance(sound, list) or len(thinks) != len(sound):
+        return None
+    return [bool(think) for think, played in zip(thinks, sound, strict=True) if played is not None]
+
+
 def board_frames(state: dict) -> list[dict]:
     """The tic-tac-toe board after each move in `state["moves"]` (empty if not a board game);
     moves of a random opening (the env's `opening_moves`, played before the model took
     over) are flagged so the page does not show them as the model's choices, and each of
-    the model's own moves carries the solver's verdict (`move_verdict`)."""
+    the model's own moves carries the solver's verdict (`move_verdict`) and, where the env
+    recorded it, whether the reply's think block read the board right (`think_correct`)."""
     moves = state.get("moves")
     if not isinstance(moves, list):
         return []
+    thinks = _think_verdicts(state)
+    model_moves = 0
     board = ["."] * 9
     frames = []
     for number, move in enumerate(moves, start=1):
         if not isinstance(move, dict) or not isinstance(move.get("cell"), int):
             continue
         cell = move["cell"]
-        verdict = None
+        verdict = think = None
         if move.get("player") == "model" and not move.get("opening") and 0 <= cell < 9:
             verdict = move_verdict(list(board), cell, move.get("mark", ""))
+            if thinks is not None and model_moves < len(thinks):
+                think = thinks[model_moves]
+            model_moves += 1
         if 0 <= cell < 9:
             board[cell] = move.get("mark", "?")
         frames.append(
@@ -99,6 +116,7 @@ def board_frames(state: dict) -> list[dict]:
                 "cell": cell,
                 "opening": bool(move.get("opening")),
                 "verdict": verdict,
+                "think": think,
                 "rows": [
                     [{"mark": board[i], "last": i == cell} for i in range(r, r + 3)]
                     for r in (0, 3, 6)
