@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import torch  # noqa: E402
 from tictactoe_mastery import evaluate, format_table  # noqa: E402
 
 from rlcore.events import ConsoleSink  # noqa: E402
@@ -94,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {"sft": evaluate(sft_dir, args.eval_games, args, "sft")}
     report = {
         "benchmark": "tictactoe_capacity",
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
         "args": vars(args),
         "synth": {k: v for k, v in synth.items() if k != "path"} | {"path": synth["path"]},
         "stages": results,
