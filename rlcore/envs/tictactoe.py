@@ -646,7 +646,9 @@ class TicTacToeEnv(MultiTurnEnv):
         if sound is None:
             return None
         bonus = self.config["think_reward"]
-        thinks = rollout.state.get("think_correct") or [False] * len(sound)
+        thinks = rollout.state.get("think_correct")
+        if not isinstance(thinks, list) or len(thinks) != len(sound):
+            thinks = [False] * len(sound)  # a rollout stored before the think record
         return [
             (1.0 if s is True else 0.0) + (bonus if t else 0.0)
             for s, t in zip(sound, thinks, strict=True)
