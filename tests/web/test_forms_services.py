@@ -135,15 +135,21 @@ def test_job_form_defaults_come_from_the_kind(alice):
     assert form.fields["loss_aggregation"].initial == "turn"
 
 
-def test_env_form_leaves_a_blank_number_at_its_default():
+def test_env_form_leaves_a_blank_number_or_a_missing_choice_at_its_default():
     data = {"name": "defaults", "param_max_turns": "", "param_min_random_move_prob": "0.1",
             "param_max_random_move_prob": "0.9", "param_num_groups": "4", "param_model_mark": "X",
             "param_invalid_move_penalty": "0.1", "param_invalid_penalty_cap": "0.5"}  # fmt: skip
     form = EnvConfigForm(data, env_name="tictactoe")
     assert form.is_valid(), form.errors
     assert form.params()["max_turns"] == 10 and form.params()["opening_moves"] == 0
+    # `reasoning` (a choice) is not in the post: a form from before it existed.
+    assert form.params()["reasoning"] == "empty"
+    threats = EnvConfigForm({**data, "param_reasoning": "threats"}, env_name="tictactoe")
+    assert threats.is_valid() and threats.params()["reasoning"] == "threats"
     bad = EnvConfigForm({**data, "param_opening_moves": "9"}, env_name="tictactoe")
     assert not bad.is_valid() and "param_opening_moves" in bad.errors
+    bad = EnvConfigForm({**data, "param_reasoning": "vibes"}, env_name="tictactoe")
+    assert not bad.is_valid() and "param_reasoning" in bad.errors
 
 
 def test_job_form_reports_missing_and_out_of_range_fields(alice, ttt_config, tiny):

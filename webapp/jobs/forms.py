@@ -36,14 +36,17 @@ class ServiceErrorsMixin:
 
 def _param_field(param: dict) -> forms.Field:
     """The form field for one schema entry: numbers with min/max, choices as a select,
-    bools as a checkbox, the parameter's help text under it. A number left blank takes the
-    parameter's default (so a post from before a parameter existed still validates)."""
+    bools as a checkbox, the parameter's help text under it. A number left blank, or a
+    choice left out, takes the parameter's default (so a post from before a parameter
+    existed still validates)."""
     common = {"label": param["name"], "help_text": param["help"], "initial": param["default"]}
     kind = param["type"]
     if param.get("choices"):
         return forms.TypedChoiceField(
             choices=[(c, c) for c in param["choices"]],
             coerce={"int": int, "float": float}.get(kind, str),
+            required=False,
+            empty_value=None,
             **common,
         )
     if kind == "bool":
