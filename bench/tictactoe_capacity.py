@@ -29,13 +29,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from tictactoe_mastery import evaluate, format_table  # noqa: E402
+from tictactoe_mastery import evaluate, format_table, teacher_games, warm_up  # noqa: E402
 
-from rlcore.events import ConsoleSink  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
-from rlcore.train.config import SFTConfig, SynthConfig  # noqa: E402
-from rlcore.train.sft import run_sft  # noqa: E402
-from rlcore.train.synth import run_synth  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,34 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     env_args = {"max_turns": args.max_turns, "num_groups": 4, "reasoning": args.reasoning}
 
     started = time.monotonic()
-    synth = run_synth(
-        SynthConfig(
-            env="tictactoe",
-            env_args={**env_args, "min_random_move_prob": 0.5, "max_random_move_prob": 1.0},
-            model=args.teacher,
-            num_examples=20 * args.games,
-            max_kept=args.games,
-            exclude_outcomes=["loss", "unfinished"],
-            require_format=True,
-            max_invalid_moves=0,
-            output_dir=str(out / "synth"),
-        ),
-        ConsoleSink(),
-    )
-    sft_dir = run_sft(
-        SFTConfig(
-            model=base,
-            dataset=synth["path"],
-            output_dir=str(out / "sft"),
-            epochs=args.epochs,
-            batch_size=args.batch,
-            micro_batch_size=args.batch,
-            lr=args.lr,
-            warmup_steps=10,
-            seed=args.seed,
-            device=args.device,
-        ),
-        ConsoleSink(metric_keys=["loss/sft", "optim/lr"]),
+    synth = teacher_games(args.teacher, args.games, env_args, out / "synth")
+    sft_dir = warm_up(
+        base, synth["path"], out / "sft", args.epochs, args, batch=args.batch, lr=args.lr
     )
     sft_seconds = time.monotonic() - started
     results = {"sft": evaluate(sft_dir, args.eval_games, args, "sft")}

@@ -117,6 +117,47 @@ def evaluate(model: str, games: int, args, label: str) -> dict:
     return rows
 
 
+def teacher_games(teacher: str, games: int, env_args: dict, output_dir: Path) -> dict:
+    """`games` games of `teacher` against opponents that blunder half the time or more,
+    losses, unfinished games, malformed replies and invalid moves dropped (run_synth's
+    report; its "path" is the dataset)."""
+    return run_synth(
+        SynthConfig(
+            env="tictactoe",
+            env_args={**env_args, "min_random_move_prob": 0.5, "max_random_move_prob": 1.0},
+            model=teacher,
+            num_examples=20 * games,
+            max_kept=games,
+            exclude_outcomes=["loss", "unfinished"],
+            require_format=True,
+            max_invalid_moves=0,
+            output_dir=str(output_dir),
+        ),
+        ConsoleSink(),
+    )
+
+
+def warm_up(
+    model: str, dataset: str, output_dir: Path, epochs: int, args, *, batch=16, lr=2e-3
+) -> str:
+    """SFT of `model` on `dataset`; returns the final checkpoint directory."""
+    return run_sft(
+        SFTConfig(
+            model=model,
+            dataset=dataset,
+            output_dir=str(output_dir),
+            epochs=epochs,
+            batch_size=batch,
+            micro_batch_size=batch,
+            lr=lr,
+            warmup_steps=10,
+            seed=args.seed,
+            device=args.device,
+        ),
+        ConsoleSink(metric_keys=["loss/sft", "optim/lr"]),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -224,38 +265,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Teacher data from the random-valid player; losses and unfinished games dropped.
     started = time.monotonic()
-    synth = run_synth(
-        SynthConfig(
-            env="tictactoe",
-            env_args={**env_args, "min_random_move_prob": 0.5, "max_random_move_prob": 1.0},
-            model="random",
-            num_examples=20 * args.sft_games,
-            max_kept=args.sft_games,
-            exclude_outcomes=["loss", "unfinished"],
-            require_format=True,
-            max_invalid_moves=0,
-            output_dir=str(out / "synth"),
-        ),
-        ConsoleSink(),
-    )
+    synth = teacher_games("random", args.sft_games, env_args, out / "synth")
     times["synth"] = time.monotonic() - started
 
     started = time.monotonic()
-    sft_dir = run_sft(
-        SFTConfig(
-            model=base,
-            dataset=synth["path"],
-            output_dir=str(out / "sft"),
-            epochs=args.sft_epochs,
-            batch_size=16,
-            micro_batch_size=16,
-            lr=2e-3,
-            warmup_steps=10,
-            seed=args.seed,
-            device=args.device,
-        ),
-        ConsoleSink(metric_keys=["loss/sft", "optim/lr"]),
-    )
+    sft_dir = warm_up(base, synth["path"], out / "sft", args.sft_epochs, args)
     times["sft"] = time.monotonic() - started
     checkpoints["sft"] = sft_dir
 
