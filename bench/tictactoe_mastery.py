@@ -206,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
     parser.add_argument(
+        "--rl-kl-scope",
+        choices=["all", "think"],
+        default="all",
+        help="tokens the KL penalty holds: all trained ones, or each reply's think block only",
+    )
+    parser.add_argument(
         "--rl-iterations", type=int, default=1, help="clipped updates per batch of rollouts"
     )
     parser.add_argument("--rl-draw-reward", type=float, default=0.5)
@@ -300,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             turn_reward_weight=args.rl_turn_reward_weight,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
+            kl_scope=args.rl_kl_scope,
             num_iterations=args.rl_iterations,
             seed=args.seed,
             lr=args.rl_lr,

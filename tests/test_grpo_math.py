@@ -130,6 +130,47 @@ def test_the_kl_penalty_is_the_k3_estimate_weighted_by_beta():
     assert_close(logprobs.grad, expected)
 
 
+def test_kl_weights_confine_the_penalty_to_their_tokens():
+    # Token (0, 0) is trained by the policy loss only, (0, 1) held by the KL term only
+    # (a think block with train_think off), (1, 0) both.
+    logprobs = OLD.clone().requires_grad_(True)
+    reference = OLD + torch.tensor([[0.5, -0.5], [1.0, 2.0]])
+    weights = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    kl_weights = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    cfg = config(beta=0.1, kl_scope="think")
+    loss, stats = policy_loss(
+        logprobs,
+        OLD,
+        reference,
+        ADVANTAGES,
+        MASK,
+        cfg,
+        normalizer=2.0,
+        weights=weights,
+        kl_weights=kl_weights,
+    )
+
+    def k3(delta):
+        return math.exp(delta) - delta - 1
+
+    assert stats["loss/kl"] == pytest.approx((k3(-0.5) + k3(1.0)) / 2)
+    assert loss.item() == pytest.approx((-1 + 1) / 2 + 0.1 * (k3(-0.5) + k3(1.0)) / 2)
+    loss.backward()
+    expected = [
+        [-1 / 2, 0.1 * (1 - math.exp(-0.5)) / 2],
+        [(1 + 0.1 * (1 - math.exp(1.0))) / 2, 0.0],
+    ]
+    assert_close(logprobs.grad, expected)
+
+
+def test_kl_scope_is_checked():
+    with pytest.raises(ConfigError, match="kl_scope must be one of"):
+        config(kl_scope="move", beta=0.1).validate()
+    with pytest.raises(ConfigError, match="kl_scope='think' needs a KL penalty"):
+        config(kl_scope="think").validate()
+    config(kl_scope="think", beta=0.1).validate()
+
+
 def test_a_reference_is_ignored_when_beta_is_zero():
     reference = OLD + 1.0
     loss, stats = policy_loss(OLD.clone(), OLD, reference, ADVANTAGES, MASK, config(beta=0.0))
@@ -362,6 +403,30 @@ def test_skipped_think_tokens_stay_off_the_mask_and_out_of_the_turn_weights():
     assert sequence.loss_mask == [0, 0, 0, 0, 1, 0, 1, 1]
     assert sequence.advantages == [0, 0, 0, 0, 0.5, 0, -1.0, -1.0]
     assert sequence.weights == pytest.approx([0, 0, 0, 0, 1, 0, 0.5, 0.5])
+
+
+def test_kl_only_think_tokens_join_the_mask_with_their_own_weights():
+    two_turns = rollout_of(
+        [
+            Turn(prompt_ids=[1, 2], completion_ids=[3, 4, 5]),
+            Turn(prompt_ids=[1, 2, 3, 4, 5, 6], completion_ids=[7, 8]),
+        ]
+    )
+    # Think blocks of 2 and 1 tokens, off the policy loss (skip) but under the KL term.
+    (sequence,) = training_sequences(two_turns, [0.5, -1.0], "turn", skip=[2, 1], kl_only=[2, 1])
+    assert sequence.loss_mask == [0, 0, 1, 1, 1, 0, 1, 1]
+    assert sequence.advantages == [0, 0, 0, 0, 0.5, 0, 0, -1.0]
+    assert sequence.weights == pytest.approx([0, 0, 0, 0, 1, 0, 0, 1])
+    assert sequence.kl_weights == pytest.approx([0, 0, 0.5, 0.5, 0, 0, 1, 0])
+    assert sequence.turns == 2
+    # Trained and held at once (train_think on): the think tokens carry both weights.
+    (both,) = training_sequences(two_turns, [0.5, -1.0], "token", kl_only=[2, 0])
+    assert both.loss_mask == [0, 0, 1, 1, 1, 0, 1, 1]
+    assert both.weights == pytest.approx([0, 0, 1, 1, 1, 0, 1, 1])
+    assert both.kl_weights == pytest.approx([0, 0, 1, 1, 0, 0, 0, 0])
+    # Without kl_only the KL term follows the policy weights.
+    (plain,) = training_sequences(two_turns, [0.5, -1.0], "turn")
+    assert plain.kl_weights is None
 
 
 def test_turn_reward_and_advantage_settings_are_checked():

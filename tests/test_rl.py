@@ -392,3 +392,53 @@ def test_per_move_rewards_need_an_env_that_gives_them(tiny_model, tmp_path):
     cfg = rl_config(tiny_model, tmp_path, turn_reward_weight=1.0)
     with pytest.raises(ValueError, match="'reverse_text' judges whole episodes only"):
         run_rl(cfg, RecordingSink())
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model after a short SFT on opening tic-tac-toe replies with a think block."""
+    from rlcore.envs.tictactoe import system_prompt, think_reply
+
+    work = tmp_path_factory.mktemp("think")
+    rng = random.Random(0)
+    with (work / "data.jsonl").open("w") as out:
+        for index in range(64):
+            mark = "XO"[index % 2]
+            messages = [
+                {"role": "system", "content": system_prompt(mark)},
+                {"role": "user", "content": "012\n345\n678\nYour move."},
+                {"role": "assistant", "content": think_reply("." * 9, rng.randrange(9), mark)},
+            ]
+            out.write(json.dumps({"messages": messages}) + "\n")
+    cfg = SFTConfig(
+        model=tiny_model,
+        dataset=str(work / "data.jsonl"),
+        output_dir=str(work / "sft"),
+        max_steps=150,
+        batch_size=16,
+        micro_batch_size=16,
+        lr=3e-3,
+        lr_schedule="constant",
+    )
+    return run_sft(cfg, RecordingSink())
+
+
+def test_a_think_only_kl_holds_the_think_block_the_loss_skips(thinking_model, tmp_path):
+    metrics, rollouts = tictactoe_step(
+        thinking_model,
+        tmp_path,
+        env_args={"max_turns": 1},
+        train_think=False,
+        beta=0.1,
+        kl_scope="think",
+        num_iterations=2,
+        lr=1e-3,
+        max_tokens=40,
+        micro_batch_size=4,
+    )
+    replies = [r.completion[0]["content"] for r in rollouts]
+    assert sum("</think>" in reply for reply in replies) >= len(replies) // 2, replies
+    # The policy loss trains the move tags only, so a KL measured above 0 after the first
+    # update is on the think blocks: kl_scope "think" put them under the penalty.
+    assert metrics["loss/kl"] > 0
+    assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"] + 0.1 * metrics["loss/kl"])

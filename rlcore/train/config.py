@@ -27,6 +27,7 @@ LOSS_TYPES = ("grpo", "cispo", "dr_grpo")
 LR_SCHEDULES = ("cosine", "constant")
 LOSS_AGGREGATIONS = ("token", "sequence", "turn")
 ADVANTAGES = ("group", "tree", "none")
+KL_SCOPES = ("all", "think")
 
 
 class ConfigError(ValueError):
@@ -216,6 +217,11 @@ class RLConfig:
     """upper ratio clip 1 + this (grpo, dr_grpo); for cispo the importance weight cap"""
     beta: float = 0.0
     """weight of the k3 KL penalty to the frozen starting model (0: no reference model)"""
+    kl_scope: str = "all"
+    """which tokens the KL penalty (beta) holds to the starting model: "all" the tokens the
+    policy loss trains; "think" each reply's think block only, trained or not, so a
+    reasoning routine learnt in SFT stays put while the answer after it learns freely
+    (with train_think = false the think block then gets the KL term alone)"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8
@@ -296,6 +302,10 @@ class RLConfig:
             )
         if self.beta < 0:
             errors.append(f"beta must be >= 0, got {self.beta!r}")
+        if self.kl_scope not in KL_SCOPES:
+            errors.append(f"kl_scope must be one of {list(KL_SCOPES)}, got {self.kl_scope!r}")
+        elif self.kl_scope != "all" and not self.beta > 0:
+            errors.append(f"kl_scope={self.kl_scope!r} needs a KL penalty: set beta > 0")
         if self.temperature <= 0:
             errors.append(f"temperature must be > 0 for training, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:

@@ -214,10 +214,10 @@ def think_length(completion_ids: list[int], pieces: dict[int, str], tokenizer) -
 
 
 def _assemble(
-    rollout: Rollout, skip: list[int] | None = None
+    rollout: Rollout,
 ) -> list[tuple[list[int], list[int], list[float] | None, list[int]]]:
     """The sequences of `build_sequences`, each with the turn index of every token
-    (-1 off the loss mask). `skip[t]`: leading sampled tokens of turn t kept off the mask."""
+    (-1 off the loss mask)."""
     sequences: list[tuple[list[int], list[int], list[float] | None, list[int]]] = []
     for index, turn in enumerate(rollout.turns):
         if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
@@ -231,10 +231,8 @@ def _assemble(
         loss_mask.extend([0] * len(new_prompt))
         turn_ids.extend([-1] * len(new_prompt))
         input_ids.extend(turn.completion_ids)
-        skipped = min(skip[index], len(turn.completion_ids)) if skip else 0
-        trained = len(turn.completion_ids) - skipped
-        loss_mask.extend([0] * skipped + [1] * trained)
-        turn_ids.extend([-1] * skipped + [index] * trained)
+        loss_mask.extend([1] * len(turn.completion_ids))
+        turn_ids.extend([index] * len(turn.completion_ids))
         if logprobs is not None:
             logprobs.extend([0.0] * len(new_prompt))
             logprobs.extend(turn.logprobs or [])
@@ -266,36 +264,45 @@ def training_sequences(
     turn_advantages: list[float],
     aggregation: str,
     skip: list[int] | None = None,
+    kl_only: list[int] | None = None,
 ) -> list[TrainingSequence]:
     """`build_sequences` of one rollout as TrainingSequences: every sampled token carries
     its turn's advantage and its weight in the loss's sum, 1 (token aggregation),
     1 / the sequence's sampled tokens (sequence) or 1 / its turn's sampled tokens (turn).
     `skip[t]` leading tokens of turn t (its think block, with train_think off) stay off
-    the loss mask, and out of those counts."""
+    the policy loss, and out of those counts.
+
+    `kl_only[t]`, when given, limits the KL term to the leading tokens of turn t (its think
+    block, with kl_scope "think"): those tokens join the mask with their own `kl_weights`
+    (same aggregation rule, over the think tokens), even where `skip` keeps them out of the
+    policy loss; every other token gets KL weight 0. Without it the KL term weighs tokens
+    as the policy loss does."""
     if len(turn_advantages) != len(rollout.turns):
         raise ValueError(
             f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
         )
     result = []
-    for input_ids, loss_mask, logprobs, turn_ids in _assemble(rollout, skip):
-        turn_sizes: dict[int, int] = {}
+    for input_ids, _, logprobs, turn_ids in _assemble(rollout):
+        offsets, previous, count = [], -1, 0
         for turn in turn_ids:
-            if turn >= 0:
-                turn_sizes[turn] = turn_sizes.get(turn, 0) + 1
-        sampled = max(sum(loss_mask), 1)
-        advantages, weights = [], []
-        for turn in turn_ids:
-            if turn < 0:
-                advantages.append(0.0)
-                weights.append(0.0)
-                continue
-            advantages.append(turn_advantages[turn])
-            if aggregation == "sequence":
-                weights.append(1.0 / sampled)
-            elif aggregation == "turn":
-                weights.append(1.0 / turn_sizes[turn])
-            else:
-                weights.append(1.0)
+            count = count + 1 if turn >= 0 and turn == previous else 0
+            offsets.append(count if turn >= 0 else -1)
+            previous = turn
+        policy = [
+            turn >= 0 and offset >= (skip[turn] if skip else 0)
+            for turn, offset in zip(turn_ids, offsets, strict=True)
+        ]
+        anchored = [
+            kl_only is not None and turn >= 0 and offset < kl_only[turn]
+            for turn, offset in zip(turn_ids, offsets, strict=True)
+        ]
+        weights = _aggregated_weights(turn_ids, policy, aggregation)
+        kl_weights = _aggregated_weights(turn_ids, anchored, aggregation) if kl_only else None
+        loss_mask = [int(a or b) for a, b in zip(policy, anchored, strict=True)]
+        advantages = [
+            turn_advantages[turn] if keep else 0.0
+            for turn, keep in zip(turn_ids, policy, strict=True)
+        ]
         result.append(
             TrainingSequence(
                 input_ids,
@@ -303,10 +310,32 @@ def training_sequences(
                 advantages,
                 logprobs,
                 weights=weights,
-                turns=len(turn_sizes),
+                turns=len({turn for turn, keep in zip(turn_ids, policy, strict=True) if keep}),
+                kl_weights=kl_weights,
             )
         )
     return result
+
+
+def _aggregated_weights(turn_ids: list[int], selected: list[bool], aggregation: str) -> list[float]:
+    """Each selected token's weight in a loss sum: 1 (token), 1 / the sequence's selected
+    tokens (sequence) or 1 / its turn's selected tokens (turn); 0 for the others."""
+    turn_sizes: dict[int, int] = {}
+    for turn, keep in zip(turn_ids, selected, strict=True):
+        if keep:
+            turn_sizes[turn] = turn_sizes.get(turn, 0) + 1
+    total = max(sum(turn_sizes.values()), 1)
+    weights = []
+    for turn, keep in zip(turn_ids, selected, strict=True):
+        if not keep:
+            weights.append(0.0)
+        elif aggregation == "sequence":
+            weights.append(1.0 / total)
+        elif aggregation == "turn":
+            weights.append(1.0 / turn_sizes[turn])
+        else:
+            weights.append(1.0)
+    return weights
 
 
 def loss_normalizer(
@@ -337,6 +366,7 @@ def policy_loss(
     *,
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
+    kl_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The masked loss of `cfg.loss_type` on per-token logprobs of shape [sequences, tokens].
 
@@ -349,7 +379,8 @@ def policy_loss(
     `weights` [sequences, tokens], when given, weighs each token in the sum instead of the
     aggregation's own rule (it is what `training_sequences` computed).
     With `cfg.beta` > 0 the k3 estimate of KL(policy || reference) per token, normalized
-    the same way, is added times beta. Stats: `loss/policy`, `loss/kl` (mean per token),
+    the same way, is added times beta; `kl_weights`, when given, weighs each token in the
+    KL sum instead (kl_scope "think": the think block only). Stats: `loss/policy`, `loss/kl` (mean per token),
     `policy/clip_fraction` (share of tokens whose clip was active), `tokens`.
     """
     mask = mask.to(logprobs.dtype)
@@ -385,8 +416,13 @@ def policy_loss(
     if ref_logprobs is not None and cfg.beta > 0:
         log_ratio_ref = ref_logprobs - logprobs
         kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased, always >= 0
-        loss = policy + cfg.beta * (kl * weights).sum() / normalizer
-        kl_mean = float((kl * mask).sum().detach()) / max(tokens, 1.0)
+        if kl_weights is None:
+            kl_weights, kl_mask = weights, mask
+        else:
+            kl_weights = kl_weights.to(logprobs.dtype) * mask
+            kl_mask = (kl_weights > 0).to(logprobs.dtype)
+        loss = policy + cfg.beta * (kl * kl_weights).sum() / normalizer
+        kl_mean = float((kl * kl_mask).sum().detach()) / max(float(kl_mask.sum()), 1.0)
     stats = {
         "loss/policy": float(policy.detach()),
         "loss/kl": kl_mean,
@@ -433,6 +469,7 @@ class TrainingSequence:
     turns: int = 1  # assistant turns in this sequence
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
+    kl_weights: list[float] | None = None  # per token, in the KL term's sum (None: weights)
 
 
 def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[TrainingSequence]]:
@@ -585,6 +622,13 @@ def update_policy(
                 width,
                 device,
             )
+            kl_weights = None
+            if with_reference and chunk[0].kl_weights is not None:
+                kl_weights = padded(
+                    [torch.tensor(s.kl_weights[1:], dtype=torch.float32) for s in chunk],
+                    width,
+                    device,
+                )
             with autocast(device):
                 logprobs, entropy = token_logprobs(
                     model, input_ids, attention_mask, cfg.temperature, with_entropy=single_pass
@@ -612,6 +656,7 @@ def update_policy(
                 cfg,
                 normalizer=normalizer,
                 weights=weights,
+                kl_weights=kl_weights,
             )
             loss.backward()
             policy_sum += stats["loss/policy"]
@@ -773,19 +818,27 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
 
             # 4. Training sequences: the sampled token ids, loss only on sampled tokens.
             aggregation = "token" if cfg.loss_type == "dr_grpo" else cfg.loss_aggregation
+            thinks = None
+            if not cfg.train_think or cfg.kl_scope == "think":
+                thinks = [
+                    [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
+                    for rollout in rollouts
+                ]
             sequences = [
                 sequence
-                for rollout, advantages in zip(rollouts, turn_advantages, strict=True)
+                for index, (rollout, advantages) in enumerate(
+                    zip(rollouts, turn_advantages, strict=True)
+                )
                 for sequence in training_sequences(
                     rollout,
                     advantages,
                     aggregation,
-                    None
-                    if cfg.train_think
-                    else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns],
+                    None if cfg.train_think else thinks[index],
+                    thinks[index] if cfg.kl_scope == "think" else None,
                 )
             ]
-            completion_tokens = sum(sum(s.loss_mask) for s in sequences)
+            # Tokens under the policy loss (a think block kept only for the KL is not one).
+            completion_tokens = sum(sum(w > 0 for w in s.weights) for s in sequences)
             normalizer = loss_normalizer(
                 completion_tokens, len(sequences), cfg, sum(s.turns for s in sequences)
             )
