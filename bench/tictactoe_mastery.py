@@ -206,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
     parser.add_argument(
+        "--rl-entropy",
+        type=float,
+        default=0.0,
+        help="entropy bonus weight (entropy_coef): keeps the move choice exploring",
+    )
+    parser.add_argument(
         "--rl-kl-scope",
         choices=["all", "think"],
         default="all",
@@ -307,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             kl_scope=args.rl_kl_scope,
+            entropy_coef=args.rl_entropy,
             num_iterations=args.rl_iterations,
             seed=args.seed,
             lr=args.rl_lr,

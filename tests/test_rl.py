@@ -442,3 +442,16 @@ def test_a_think_only_kl_holds_the_think_block_the_loss_skips(thinking_model, tm
     # update is on the think blocks: kl_scope "think" put them under the penalty.
     assert metrics["loss/kl"] > 0
     assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"] + 0.1 * metrics["loss/kl"])
+
+
+def test_an_entropy_bonus_is_reported_and_lowers_the_total_loss(half_formatted_model, tmp_path):
+    cfg = rl_config(half_formatted_model, tmp_path, entropy_coef=0.5, max_steps=1)
+    sink = RecordingSink()
+    run_rl(cfg, sink)
+    ((_, metrics),) = sink.metrics
+    assert metrics["loss/entropy_bonus"] > 0
+    assert metrics["loss/total"] == pytest.approx(
+        metrics["loss/policy"] - 0.5 * metrics["loss/entropy_bonus"]
+    )
+    with pytest.raises(ConfigError, match="entropy_coef must be >= 0"):
+        rl_config(half_formatted_model, tmp_path, entropy_coef=-0.1).validate()

@@ -217,6 +217,10 @@ class RLConfig:
     """upper ratio clip 1 + this (grpo, dr_grpo); for cispo the importance weight cap"""
     beta: float = 0.0
     """weight of the k3 KL penalty to the frozen starting model (0: no reference model)"""
+    entropy_coef: float = 0.0
+    """weight of an entropy bonus: the loss subtracts this times the mean entropy of the
+    sampling distribution at each trained token (weighed as the policy loss), so the
+    policy does not commit to one answer before it has tried the others (0: none)"""
     kl_scope: str = "all"
     """which tokens the KL penalty (beta) holds to the starting model: "all" the tokens the
     policy loss trains; "think" each reply's think block only, trained or not, so a
@@ -302,6 +306,8 @@ class RLConfig:
             )
         if self.beta < 0:
             errors.append(f"beta must be >= 0, got {self.beta!r}")
+        if not self.entropy_coef >= 0.0:
+            errors.append(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
         if self.kl_scope not in KL_SCOPES:
             errors.append(f"kl_scope must be one of {list(KL_SCOPES)}, got {self.kl_scope!r}")
         elif self.kl_scope != "all" and not self.beta > 0:

@@ -486,6 +486,12 @@ def collate(chunk: list[TrainingSequence], pad_id: int, device: torch.device):
     return input_ids, attention_mask, loss_mask
 
 
+def policy_weights(chunk: list[TrainingSequence], width: int, device) -> torch.Tensor:
+    """Each target token's weight in the policy loss's sum, aligned with `collate`'s mask."""
+    rows = [torch.tensor((s.weights or s.loss_mask)[1:], dtype=torch.float32) for s in chunk]
+    return padded(rows, width, device)
+
+
 def padded(tensors: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
     rows = [torch.nn.functional.pad(t, (0, width - t.numel())) for t in tensors]
     return torch.stack(rows).to(device)
@@ -555,11 +561,13 @@ def load_trainer_state(path: str | Path, cfg: RLConfig) -> tuple[dict, list[str]
 @torch.no_grad()
 def score_sequences(model, reference, sequences, cfg: RLConfig, pad_id: int, device) -> dict:
     """Fill each sequence's old (and reference) logprobs with one no-grad pass of the
-    current weights; return the mean entropy of the completion tokens and the mean
+    current weights; return the mean entropy of the trained completion tokens and the mean
     absolute gap to the logprobs the engine sampled with (policy/logprob_mismatch)."""
     entropy_sum, completion_tokens, mismatch_sum, mismatch_tokens = 0.0, 0, 0.0, 0
     for chunk in micro_batches(sequences, cfg.micro_batch_size):
         input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
+        weights = policy_weights(chunk, loss_mask.shape[1], device)
+        trained = loss_mask * (weights > 0)  # under the policy loss, not the KL alone
         with autocast(device):
             old, entropy = token_logprobs(
                 model, input_ids, attention_mask, cfg.temperature, with_entropy=True
@@ -567,8 +575,8 @@ def score_sequences(model, reference, sequences, cfg: RLConfig, pad_id: int, dev
             ref = None
             if reference is not None:
                 ref, _ = token_logprobs(reference, input_ids, attention_mask, cfg.temperature)
-        entropy_sum += float((entropy * loss_mask).sum())
-        completion_tokens += int(loss_mask.sum())
+        entropy_sum += float((entropy * trained).sum())
+        completion_tokens += int(trained.sum())
         for row, sequence in enumerate(chunk):
             length = len(sequence.input_ids) - 1
             sequence.old_logprobs = old[row, :length].cpu()
@@ -601,13 +609,18 @@ def update_policy(
     of `policy_loss` over length-sorted micro-batches; returns the loss statistics."""
     # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
-    trainable = [s for s in sequences if any(s.advantages) or with_reference]
+    # (An entropy bonus reaches every sampled token, so it keeps them all.)
+    trainable = [
+        s for s in sequences if any(s.advantages) or with_reference or cfg.entropy_coef > 0
+    ]
     # With one update and no reference the old logprobs are the current ones: take them
     # from this very forward pass (ratio exactly 1) instead of a separate no-grad pass,
     # and measure entropy and the sampling mismatch here, on the sequences trained on.
     single_pass = cfg.num_iterations == 1 and not with_reference
+    with_entropy = single_pass or cfg.entropy_coef > 0
     policy_sum, kl_sum, clipped_sum, tokens = 0.0, 0.0, 0.0, 0.0
-    entropy_sum, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
+    entropy_sum, entropy_tokens, bonus_sum = 0.0, 0.0, 0.0
+    mismatch_sum, mismatch_tokens = 0.0, 0
     grad_norms, learning_rates = [], []
     for _ in range(cfg.num_iterations):
         for chunk in micro_batches(trainable, cfg.micro_batch_size):
@@ -617,11 +630,7 @@ def update_policy(
             advantages = padded(
                 [torch.tensor(s.advantages[1:], dtype=torch.float32) for s in chunk], width, device
             )
-            weights = padded(
-                [torch.tensor((s.weights or s.loss_mask)[1:], dtype=torch.float32) for s in chunk],
-                width,
-                device,
-            )
+            weights = policy_weights(chunk, width, device)
             kl_weights = None
             if with_reference and chunk[0].kl_weights is not None:
                 kl_weights = padded(
@@ -631,11 +640,14 @@ def update_policy(
                 )
             with autocast(device):
                 logprobs, entropy = token_logprobs(
-                    model, input_ids, attention_mask, cfg.temperature, with_entropy=single_pass
+                    model, input_ids, attention_mask, cfg.temperature, with_entropy=with_entropy
                 )
+            trained = loss_mask * (weights > 0)  # under the policy loss, not the KL alone
+            if with_entropy:
+                entropy_sum += float((entropy.detach() * trained).sum())
+                entropy_tokens += float(trained.sum())
             if single_pass:
                 old = logprobs.detach()
-                entropy_sum += float((entropy.detach() * loss_mask).sum())
                 for row, sequence in enumerate(chunk):
                     if sequence.sampled_logprobs is None:
                         continue
@@ -658,6 +670,12 @@ def update_policy(
                 weights=weights,
                 kl_weights=kl_weights,
             )
+            if cfg.entropy_coef > 0:
+                # The entropy of each trained token's sampling distribution, weighed and
+                # normalized as the policy loss is, rewarded: it keeps exploration alive.
+                bonus = (entropy * weights * trained).sum() / max(float(normalizer), 1e-8)
+                loss = loss - cfg.entropy_coef * bonus
+                bonus_sum += float(bonus.detach())
             loss.backward()
             policy_sum += stats["loss/policy"]
             kl_sum += stats["loss/kl"] * stats["tokens"]
@@ -670,16 +688,18 @@ def update_policy(
         optimizer.zero_grad(set_to_none=True)
     kl = kl_sum / max(tokens, 1.0)
     policy = policy_sum / cfg.num_iterations
+    bonus = bonus_sum / cfg.num_iterations
     measured = {}
+    if with_entropy:
+        measured["policy/entropy"] = entropy_sum / max(entropy_tokens, 1.0)
     if single_pass:
-        measured = {
-            "policy/entropy": entropy_sum / max(tokens, 1.0),
-            "policy/logprob_mismatch": mismatch_sum / max(mismatch_tokens, 1),
-        }
+        measured["policy/logprob_mismatch"] = mismatch_sum / max(mismatch_tokens, 1)
+    if cfg.entropy_coef > 0:
+        measured["loss/entropy_bonus"] = bonus
     return measured | {
         "loss/policy": policy,
         "loss/kl": kl,
-        "loss/total": policy + cfg.beta * kl,
+        "loss/total": policy + cfg.beta * kl - cfg.entropy_coef * bonus,
         "policy/clip_fraction": clipped_sum / max(tokens, 1.0),
         "optim/grad_norm": sum(grad_norms) / len(grad_norms),
         "optim/lr": learning_rates[-1],
