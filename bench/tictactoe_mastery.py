@@ -206,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
     parser.add_argument(
+        "--rl-curriculum-steps",
+        type=int,
+        default=0,
+        help="curriculum: the opponent-strength groups unlock weakest first over this many RL "
+        "steps (0: every batch mixes all strengths)",
+    )
+    parser.add_argument(
         "--rl-entropy",
         type=float,
         default=0.0,
@@ -314,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             beta=args.rl_beta,
             kl_scope=args.rl_kl_scope,
             entropy_coef=args.rl_entropy,
+            curriculum_steps=args.rl_curriculum_steps,
+            # Group k holds the k-th bin of random-move probability from low to high, so
+            # the weakest opponents are the last group: unlock them first.
+            curriculum_order=list(reversed(range(env_args["num_groups"])))
+            if args.rl_curriculum_steps
+            else [],
             num_iterations=args.rl_iterations,
             seed=args.seed,
             lr=args.rl_lr,

@@ -15,7 +15,13 @@ from rlcore.policy.local import LocalEngine
 from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.rollout import run_rollouts
 from rlcore.train.config import ConfigError, RLConfig, SFTConfig
-from rlcore.train.grpo import TRAINER_STATE, build_sequences, run_rl, think_length
+from rlcore.train.grpo import (
+    TRAINER_STATE,
+    build_sequences,
+    curriculum_groups,
+    run_rl,
+    think_length,
+)
 from rlcore.train.sampling import StratifiedSampler
 from rlcore.train.sft import run_sft
 from rlcore.types import Rollout, SamplingParams, Turn
@@ -455,3 +461,43 @@ def test_an_entropy_bonus_is_reported_and_lowers_the_total_loss(half_formatted_m
     )
     with pytest.raises(ConfigError, match="entropy_coef must be >= 0"):
         rl_config(half_formatted_model, tmp_path, entropy_coef=-0.1).validate()
+
+
+def test_a_curriculum_unlocks_groups_in_its_order_over_its_steps():
+    cfg = RLConfig(curriculum_steps=8, curriculum_order=[3, 2, 1, 0])
+    assert [curriculum_groups(cfg, 4, step) for step in (1, 2, 3, 5, 7, 9, 50)] == [
+        [3],
+        [3],
+        [3, 2],
+        [3, 2, 1],
+        [3, 2, 1, 0],
+        [3, 2, 1, 0],
+        [3, 2, 1, 0],
+    ]
+    assert curriculum_groups(RLConfig(), 3, 1) == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"must list each of the env's 4 groups \(0..3\) once"):
+        curriculum_groups(RLConfig(curriculum_order=[0, 1, 2]), 4, 1)
+    with pytest.raises(ConfigError, match="curriculum_order lists a group twice"):
+        RLConfig(curriculum_order=[1, 1]).validate()
+    with pytest.raises(ConfigError, match="curriculum_steps must be >= 0"):
+        RLConfig(curriculum_steps=-1).validate()
+
+
+def test_the_sampler_deals_only_the_groups_it_is_given():
+    env = load_environment("tictactoe", num_groups=4)
+    sampler = StratifiedSampler(env, seed=0, examples_per_step=6)
+    assert {e.group for e in sampler.next_batch([3])} == {3}
+    batch = sampler.next_batch([3, 2])
+    assert sorted(e.group for e in batch) == [2, 2, 2, 3, 3, 3]
+    assert len({e.id for e in batch}) == 6
+    with pytest.raises(ValueError, match="groups must be a non-empty subset of 0..3"):
+        sampler.next_batch([4])
+
+
+def test_tictactoe_training_follows_the_curriculum(tiny_model, tmp_path):
+    metrics, rollouts = tictactoe_step(
+        tiny_model, tmp_path, curriculum_steps=4, curriculum_order=[1, 0]
+    )
+    # Step 1 of 4 with 2 groups: only the first group of the order is dealt.
+    assert metrics["curriculum/groups"] == 1.0
+    assert {r.group for r in rollouts} == {1}

@@ -217,6 +217,13 @@ class RLConfig:
     """upper ratio clip 1 + this (grpo, dr_grpo); for cispo the importance weight cap"""
     beta: float = 0.0
     """weight of the k3 KL penalty to the frozen starting model (0: no reference model)"""
+    curriculum_steps: int = 0
+    """0: every batch mixes all of the env's groups evenly. N > 0: the groups unlock one by
+    one in `curriculum_order` over the first N steps (group k of the order from step
+    1 + k * N / groups on), each batch dealt evenly over those unlocked so far"""
+    curriculum_order: list = field(default_factory=list)
+    """the env's group ids in the order a curriculum unlocks them, e.g. [3, 2, 1, 0] for
+    tic-tac-toe's weakest opponents first (empty: 0, 1, 2, ...)"""
     entropy_coef: float = 0.0
     """weight of an entropy bonus: the loss subtracts this times the mean entropy of the
     sampling distribution at each trained token (weighed as the policy loss), so the
@@ -306,6 +313,15 @@ class RLConfig:
             )
         if self.beta < 0:
             errors.append(f"beta must be >= 0, got {self.beta!r}")
+        if self.curriculum_steps < 0:
+            errors.append(f"curriculum_steps must be >= 0, got {self.curriculum_steps!r}")
+        order = self.curriculum_order
+        if not isinstance(order, list) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in order
+        ):
+            errors.append(f"curriculum_order must be a list of group ids >= 0, got {order!r}")
+        elif len(set(order)) != len(order):
+            errors.append(f"curriculum_order lists a group twice: {order!r}")
         if not self.entropy_coef >= 0.0:
             errors.append(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
         if self.kl_scope not in KL_SCOPES:

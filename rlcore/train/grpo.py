@@ -706,6 +706,22 @@ def update_policy(
     }
 
 
+def curriculum_groups(cfg: RLConfig, num_groups: int, step: int) -> list[int]:
+    """The env groups step `step` (1-based) deals from: all of them without a curriculum;
+    with `curriculum_steps` N, the first 1 + floor((step - 1) * groups / N) of
+    `curriculum_order` (all once step > N)."""
+    order = list(cfg.curriculum_order) or list(range(num_groups))
+    if sorted(order) != list(range(num_groups)):
+        raise ValueError(
+            f"curriculum_order {cfg.curriculum_order!r} must list each of the env's "
+            f"{num_groups} groups (0..{num_groups - 1}) once"
+        )
+    if not cfg.curriculum_steps:
+        return order
+    unlocked = 1 + (step - 1) * len(order) // cfg.curriculum_steps
+    return order[: min(len(order), unlocked)]
+
+
 def rollout_sample(rollouts: list[Rollout], group_size: int, count: int) -> list[Rollout]:
     """`count` rollouts for the sink: the first of every example, then the second...,
     so the sample spreads over examples and so over the stratified groups."""
@@ -742,6 +758,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
     optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps * cfg.num_iterations)
     examples_per_step = cfg.batch_size // cfg.rollouts_per_example
     sampler = StratifiedSampler(env, cfg.seed, examples_per_step)
+    curriculum_groups(cfg, sampler.num_groups, 1)  # a bad curriculum_order fails here
     engine = LocalEngine(None, model=model, tokenizer=tokenizer, name="policy")
     sampling = SamplingParams(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
@@ -788,7 +805,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             step_started = time.monotonic()
 
             # 1-2. A stratified batch of examples, each rolled out as a group.
-            examples = sampler.next_batch()
+            unlocked = curriculum_groups(cfg, sampler.num_groups, step)
+            examples = sampler.next_batch(unlocked)
             rollouts = loop.run_until_complete(
                 run_rollouts(
                     env,
@@ -893,6 +911,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             metrics.update(updated)
             metrics.update(
                 {
+                    "curriculum/groups": float(len(unlocked)),
                     "advantage/zero_group_rate": float((groups.std(dim=1) == 0).float().mean()),
                     "advantage/abs_mean": float(flat_advantages.abs().mean()),
                     "advantage/zero_turn_rate": float((flat_advantages == 0).float().mean()),
