@@ -213,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         "steps (0: every batch mixes all strengths)",
     )
     parser.add_argument(
+        "--rl-unlikelihood",
+        type=float,
+        default=0.0,
+        help="unlikelihood_below: negative-advantage tokens below this probability are pushed "
+        "down by -|A| log(1 - p) instead of the policy gradient (0: off)",
+    )
+    parser.add_argument(
         "--rl-entropy",
         type=float,
         default=0.0,
@@ -321,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             beta=args.rl_beta,
             kl_scope=args.rl_kl_scope,
             entropy_coef=args.rl_entropy,
+            unlikelihood_below=args.rl_unlikelihood,
             curriculum_steps=args.rl_curriculum_steps,
             # Group k holds the k-th bin of random-move probability from low to high, so
             # the weakest opponents are the last group: unlock them first.

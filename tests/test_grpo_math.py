@@ -171,6 +171,25 @@ def test_kl_scope_is_checked():
     config(kl_scope="think", beta=0.1).validate()
 
 
+def test_unlikelihood_replaces_the_push_down_on_unsure_negative_tokens_only():
+    # Token probabilities 0.5 and 0.999 under advantage -1 (first sequence: +1, unchanged).
+    logprobs = torch.tensor([[math.log(0.3), math.log(0.6)], [math.log(0.5), math.log(0.999)]])
+    logprobs = logprobs.clone().requires_grad_(True)
+    old = logprobs.detach().clone()
+    mask = torch.ones(2, 2)
+    cfg = config(unlikelihood_below=0.99)
+    loss, stats = policy_loss(logprobs, old, None, ADVANTAGES, mask, cfg, normalizer=4.0)
+    # (1, 0): p = 0.5 < 0.99 and A = -1: -log(1 - 0.5); (1, 1): p = 0.999 keeps the policy
+    # gradient term -A * ratio = 1; the positive sequence keeps -A * ratio = -1 per token.
+    assert loss.item() == pytest.approx((-1 - 1 - math.log(0.5) + 1) / 4)
+    assert stats["policy/unlikelihood_fraction"] == pytest.approx(0.25)
+    loss.backward()
+    # d/dlogprob of -log(1 - p) is p / (1 - p) = 1 for p = 0.5; the others as in grpo.
+    assert_close(logprobs.grad, [[-1 / 4, -1 / 4], [1.0 / 4, 1 / 4]])
+    with pytest.raises(ConfigError, match=r"unlikelihood_below must be in \[0, 1\)"):
+        config(unlikelihood_below=1.0).validate()
+
+
 def test_a_reference_is_ignored_when_beta_is_zero():
     reference = OLD + 1.0
     loss, stats = policy_loss(OLD.clone(), OLD, reference, ADVANTAGES, MASK, config(beta=0.0))

@@ -209,6 +209,13 @@ class RLConfig:
     that did better than their alternatives (filtered behaviour cloning, as RAFT/ReST do);
     in between damps the pushes down on sampled tokens (in the tic-tac-toe sweep neither
     made learning rates above 1e-4 stable for the tiny model: docs/mastery.md)"""
+    unlikelihood_below: float = 0.0
+    """0: a token with a negative advantage is pushed down by the policy gradient, whose
+    pull on its logit is |A| * (1 - p) and so vanishes on a confident mistake. Above 0:
+    such a token whose probability p is below this value gets the unlikelihood loss
+    |A| * -log(1 - p) instead, whose pull is |A| * p (largest on confident mistakes).
+    Tokens at or above it (a reply's fixed tags, p ~ 1) keep the policy gradient, so the
+    format is not pushed down with the choice: e.g. 0.99"""
     scale_rewards: bool = False
     """divide advantages by the group's reward std (original GRPO); not with dr_grpo"""
     clip_eps_low: float = 0.2
@@ -322,6 +329,8 @@ class RLConfig:
             errors.append(f"curriculum_order must be a list of group ids >= 0, got {order!r}")
         elif len(set(order)) != len(order):
             errors.append(f"curriculum_order lists a group twice: {order!r}")
+        if not 0.0 <= self.unlikelihood_below < 1.0:
+            errors.append(f"unlikelihood_below must be in [0, 1), got {self.unlikelihood_below!r}")
         if not self.entropy_coef >= 0.0:
             errors.append(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
         if self.kl_scope not in KL_SCOPES:

@@ -381,7 +381,8 @@ def policy_loss(
     With `cfg.beta` > 0 the k3 estimate of KL(policy || reference) per token, normalized
     the same way, is added times beta; `kl_weights`, when given, weighs each token in the
     KL sum instead (kl_scope "think": the think block only). Stats: `loss/policy`, `loss/kl` (mean per token),
-    `policy/clip_fraction` (share of tokens whose clip was active), `tokens`.
+    `policy/clip_fraction` (share of tokens whose clip was active),
+    `policy/unlikelihood_fraction` (share pushed down by `cfg.unlikelihood_below`), `tokens`.
     """
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -401,6 +402,16 @@ def policy_loss(
         clipped = clipped_objective < unclipped
     else:
         raise ValueError(f"loss_type must be one of grpo, cispo, dr_grpo; got {cfg.loss_type!r}")
+    unlikely = torch.zeros_like(mask, dtype=torch.bool)
+    if cfg.unlikelihood_below > 0:
+        # Negative-advantage tokens the policy was not sure of: -|A| log(1 - p) in place
+        # of the policy gradient term, so a confident mistake is pushed off at full
+        # strength (its logit's gradient is |A| p, not |A| (1 - p)).
+        probability = logprobs.exp()
+        unlikely = (advantages < 0) & (probability.detach() < cfg.unlikelihood_below)
+        pushed = advantages * torch.log1p(-probability.clamp(max=1 - 1e-6))
+        per_token = torch.where(unlikely, pushed, per_token)
+        clipped = clipped & ~unlikely
     # Per-token weights of the sum: 1 (token and dr_grpo aggregation) or 1 / the
     # sequence's own token count (sequence aggregation: every sequence weighs the same).
     if weights is not None:
@@ -427,6 +438,8 @@ def policy_loss(
         "loss/policy": float(policy.detach()),
         "loss/kl": kl_mean,
         "policy/clip_fraction": float((clipped.to(mask.dtype) * mask).sum()) / max(tokens, 1.0),
+        "policy/unlikelihood_fraction": float((unlikely.to(mask.dtype) * mask).sum())
+        / max(tokens, 1.0),
         "tokens": tokens,
     }
     return loss, stats
@@ -619,7 +632,7 @@ def update_policy(
     single_pass = cfg.num_iterations == 1 and not with_reference
     with_entropy = single_pass or cfg.entropy_coef > 0
     policy_sum, kl_sum, clipped_sum, tokens = 0.0, 0.0, 0.0, 0.0
-    entropy_sum, entropy_tokens, bonus_sum = 0.0, 0.0, 0.0
+    entropy_sum, entropy_tokens, bonus_sum, unlikely_sum = 0.0, 0.0, 0.0, 0.0
     mismatch_sum, mismatch_tokens = 0.0, 0
     grad_norms, learning_rates = [], []
     for _ in range(cfg.num_iterations):
@@ -680,6 +693,7 @@ def update_policy(
             policy_sum += stats["loss/policy"]
             kl_sum += stats["loss/kl"] * stats["tokens"]
             clipped_sum += stats["policy/clip_fraction"] * stats["tokens"]
+            unlikely_sum += stats["policy/unlikelihood_fraction"] * stats["tokens"]
             tokens += stats["tokens"]
         grad_norms.append(clip_gradients(model, cfg.max_grad_norm))
         learning_rates.append(scheduler.get_last_lr()[0])
@@ -696,6 +710,8 @@ def update_policy(
         measured["policy/logprob_mismatch"] = mismatch_sum / max(mismatch_tokens, 1)
     if cfg.entropy_coef > 0:
         measured["loss/entropy_bonus"] = bonus
+    if cfg.unlikelihood_below > 0:
+        measured["policy/unlikelihood_fraction"] = unlikely_sum / max(tokens, 1.0)
     return measured | {
         "loss/policy": policy,
         "loss/kl": kl,
