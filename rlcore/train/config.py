@@ -215,7 +215,9 @@ class RLConfig:
     such a token whose probability p is below this value gets the unlikelihood loss
     |A| * -log(1 - p) instead, whose pull is |A| * p (largest on confident mistakes).
     Tokens at or above it (a reply's fixed tags, p ~ 1) keep the policy gradient, so the
-    format is not pushed down with the choice: e.g. 0.99"""
+    format is not pushed down with the choice: e.g. 0.99. In the tic-tac-toe sweep it
+    broke every run (a tag pushed below the threshold becomes a target too:
+    docs/mastery.md, round 27)"""
     scale_rewards: bool = False
     """divide advantages by the group's reward std (original GRPO); not with dr_grpo"""
     clip_eps_low: float = 0.2
