@@ -220,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         "down by -|A| log(1 - p) instead of the policy gradient (0: off)",
     )
     parser.add_argument(
+        "--rl-unlikelihood-ref-entropy",
+        type=float,
+        default=0.0,
+        help="unlikelihood_ref_entropy: only tokens where the SFT model's entropy was at least "
+        "this many nats are pushed that way (0: any)",
+    )
+    parser.add_argument(
         "--rl-entropy",
         type=float,
         default=0.0,
@@ -329,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_scope=args.rl_kl_scope,
             entropy_coef=args.rl_entropy,
             unlikelihood_below=args.rl_unlikelihood,
+            unlikelihood_ref_entropy=args.rl_unlikelihood_ref_entropy,
             curriculum_steps=args.rl_curriculum_steps,
             # Group k holds the k-th bin of random-move probability from low to high, so
             # the weakest opponents are the last group: unlock them first.

@@ -188,6 +188,16 @@ def test_unlikelihood_replaces_the_push_down_on_unsure_negative_tokens_only():
     assert_close(logprobs.grad, [[-1 / 4, -1 / 4], [1.0 / 4, 1 / 4]])
     with pytest.raises(ConfigError, match=r"unlikelihood_below must be in \[0, 1\)"):
         config(unlikelihood_below=1.0).validate()
+    # Limited to the marked decisions: (1, 0) is not one, so its policy gradient stays.
+    plain = logprobs.detach().clone().requires_grad_(True)
+    decisions = torch.tensor([[True, True], [False, True]])
+    loss, stats = policy_loss(
+        plain, old, None, ADVANTAGES, mask, cfg, normalizer=4.0, decisions=decisions
+    )
+    assert loss.item() == pytest.approx((-1 - 1 + 1 + 1) / 4)
+    assert stats["policy/unlikelihood_fraction"] == 0.0
+    with pytest.raises(ConfigError, match="unlikelihood_ref_entropy needs unlikelihood_below"):
+        config(unlikelihood_ref_entropy=0.5).validate()
 
 
 def test_a_reference_is_ignored_when_beta_is_zero():

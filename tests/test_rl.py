@@ -501,3 +501,22 @@ def test_tictactoe_training_follows_the_curriculum(tiny_model, tmp_path):
     # Step 1 of 4 with 2 groups: only the first group of the order is dealt.
     assert metrics["curriculum/groups"] == 1.0
     assert {r.group for r in rollouts} == {1}
+
+
+def test_unlikelihood_on_the_reference_s_decisions_runs_without_a_kl(
+    half_formatted_model, tmp_path
+):
+    cfg = rl_config(
+        half_formatted_model,
+        tmp_path,
+        unlikelihood_below=0.99,
+        unlikelihood_ref_entropy=0.3,
+        max_steps=1,
+    )
+    sink = RecordingSink()
+    run_rl(cfg, sink)
+    ((_, metrics),) = sink.metrics
+    # The reference is loaded for its entropies only: no KL term with beta 0.
+    assert metrics["loss/kl"] == 0.0
+    assert 0.0 <= metrics["policy/unlikelihood_fraction"] < 1.0
+    assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"])

@@ -218,6 +218,11 @@ class RLConfig:
     format is not pushed down with the choice: e.g. 0.99. In the tic-tac-toe sweep it
     broke every run (a tag pushed below the threshold becomes a target too:
     docs/mastery.md, round 27)"""
+    unlikelihood_ref_entropy: float = 0.0
+    """with unlikelihood_below: only tokens where the starting model's sampling entropy
+    was at least this many nats qualify (its decisions, e.g. the move digit after SFT on
+    random moves, not the tags it always writes); loads the starting model as reference
+    even with beta = 0. 0: every token below the probability threshold qualifies"""
     scale_rewards: bool = False
     """divide advantages by the group's reward std (original GRPO); not with dr_grpo"""
     clip_eps_low: float = 0.2
@@ -333,6 +338,12 @@ class RLConfig:
             errors.append(f"curriculum_order lists a group twice: {order!r}")
         if not 0.0 <= self.unlikelihood_below < 1.0:
             errors.append(f"unlikelihood_below must be in [0, 1), got {self.unlikelihood_below!r}")
+        if not self.unlikelihood_ref_entropy >= 0.0:
+            errors.append(
+                f"unlikelihood_ref_entropy must be >= 0, got {self.unlikelihood_ref_entropy!r}"
+            )
+        elif self.unlikelihood_ref_entropy > 0 and not self.unlikelihood_below > 0:
+            errors.append("unlikelihood_ref_entropy needs unlikelihood_below > 0")
         if not self.entropy_coef >= 0.0:
             errors.append(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
         if self.kl_scope not in KL_SCOPES:

@@ -367,6 +367,7 @@ def policy_loss(
     normalizer: float | None = None,
     weights: torch.Tensor | None = None,
     kl_weights: torch.Tensor | None = None,
+    decisions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The masked loss of `cfg.loss_type` on per-token logprobs of shape [sequences, tokens].
 
@@ -380,7 +381,8 @@ def policy_loss(
     aggregation's own rule (it is what `training_sequences` computed).
     With `cfg.beta` > 0 the k3 estimate of KL(policy || reference) per token, normalized
     the same way, is added times beta; `kl_weights`, when given, weighs each token in the
-    KL sum instead (kl_scope "think": the think block only). Stats: `loss/policy`, `loss/kl` (mean per token),
+    KL sum instead (kl_scope "think": the think block only). `decisions` [sequences,
+    tokens], when given, limits `cfg.unlikelihood_below` to the tokens it marks. Stats: `loss/policy`, `loss/kl` (mean per token),
     `policy/clip_fraction` (share of tokens whose clip was active),
     `policy/unlikelihood_fraction` (share pushed down by `cfg.unlikelihood_below`), `tokens`.
     """
@@ -409,6 +411,8 @@ def policy_loss(
         # strength (its logit's gradient is |A| p, not |A| (1 - p)).
         probability = logprobs.exp()
         unlikely = (advantages < 0) & (probability.detach() < cfg.unlikelihood_below)
+        if decisions is not None:  # only where the starting model was unsure
+            unlikely = unlikely & decisions
         pushed = advantages * torch.log1p(-probability.clamp(max=1 - 1e-6))
         per_token = torch.where(unlikely, pushed, per_token)
         clipped = clipped & ~unlikely
@@ -483,6 +487,7 @@ class TrainingSequence:
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
     kl_weights: list[float] | None = None  # per token, in the KL term's sum (None: weights)
+    ref_entropy: torch.Tensor | None = None  # [len - 1], the reference's sampling entropy
 
 
 def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[TrainingSequence]]:
@@ -585,9 +590,15 @@ def score_sequences(model, reference, sequences, cfg: RLConfig, pad_id: int, dev
             old, entropy = token_logprobs(
                 model, input_ids, attention_mask, cfg.temperature, with_entropy=True
             )
-            ref = None
+            ref = ref_entropy = None
             if reference is not None:
-                ref, _ = token_logprobs(reference, input_ids, attention_mask, cfg.temperature)
+                ref, ref_entropy = token_logprobs(
+                    reference,
+                    input_ids,
+                    attention_mask,
+                    cfg.temperature,
+                    with_entropy=cfg.unlikelihood_ref_entropy > 0,
+                )
         entropy_sum += float((entropy * trained).sum())
         completion_tokens += int(trained.sum())
         for row, sequence in enumerate(chunk):
@@ -595,6 +606,8 @@ def score_sequences(model, reference, sequences, cfg: RLConfig, pad_id: int, dev
             sequence.old_logprobs = old[row, :length].cpu()
             if ref is not None:
                 sequence.ref_logprobs = ref[row, :length].cpu()
+                if ref_entropy is not None:
+                    sequence.ref_entropy = ref_entropy[row, :length].float().cpu()
             if sequence.sampled_logprobs is not None:
                 sampled = torch.tensor(sequence.sampled_logprobs[1:])
                 on_mask = torch.tensor(sequence.loss_mask[1:], dtype=torch.bool)
@@ -651,6 +664,10 @@ def update_policy(
                     width,
                     device,
                 )
+            decisions = None
+            if cfg.unlikelihood_ref_entropy > 0:
+                entropies = padded([s.ref_entropy for s in chunk], width, device)
+                decisions = entropies >= cfg.unlikelihood_ref_entropy
             with autocast(device):
                 logprobs, entropy = token_logprobs(
                     model, input_ids, attention_mask, cfg.temperature, with_entropy=with_entropy
@@ -682,6 +699,7 @@ def update_policy(
                 normalizer=normalizer,
                 weights=weights,
                 kl_weights=kl_weights,
+                decisions=decisions,
             )
             if cfg.entropy_coef > 0:
                 # The entropy of each trained token's sampling distribution, weighed and
@@ -768,7 +786,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
     model, tokenizer = load_model_and_tokenizer(cfg.resume_from or cfg.model, device)
     model.eval()  # no dropout: the importance ratio must be exactly 1 before an update
     reference = None
-    if cfg.beta > 0:
+    if cfg.beta > 0 or cfg.unlikelihood_ref_entropy > 0:
         reference, _ = load_model_and_tokenizer(cfg.model, device)
         reference.eval().requires_grad_(False)
     optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps * cfg.num_iterations)
