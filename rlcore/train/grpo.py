@@ -382,9 +382,10 @@ def policy_loss(
     With `cfg.beta` > 0 the k3 estimate of KL(policy || reference) per token, normalized
     the same way, is added times beta; `kl_weights`, when given, weighs each token in the
     KL sum instead (kl_scope "think": the think block only). `decisions` [sequences,
-    tokens], when given, limits `cfg.unlikelihood_below` to the tokens it marks. Stats: `loss/policy`, `loss/kl` (mean per token),
-    `policy/clip_fraction` (share of tokens whose clip was active),
-    `policy/unlikelihood_fraction` (share pushed down by `cfg.unlikelihood_below`), `tokens`.
+    tokens], when given, limits `cfg.unlikelihood_below` to the tokens it marks.
+    Stats: `loss/policy`, `loss/kl` (mean per token), `policy/clip_fraction` (share of
+    tokens whose clip was active), `policy/unlikelihood_fraction` (share pushed down by
+    `cfg.unlikelihood_below`), `tokens`.
     """
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -945,7 +946,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             metrics.update(updated)
             metrics.update(
                 {
-                    "curriculum/groups": float(len(unlocked)),
                     "advantage/zero_group_rate": float((groups.std(dim=1) == 0).float().mean()),
                     "advantage/abs_mean": float(flat_advantages.abs().mean()),
                     "advantage/zero_turn_rate": float((flat_advantages == 0).float().mean()),
@@ -961,6 +961,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                     "perf/train_seconds": train_seconds,
                 }
             )
+            if cfg.curriculum_steps:
+                metrics["curriculum/groups"] = float(len(unlocked))
             sink.metric(step, metrics)
             if cfg.log_rollouts:
                 sink.rollouts(
