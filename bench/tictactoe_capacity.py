@@ -29,7 +29,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from tictactoe_mastery import evaluate, format_table, teacher_games, warm_up  # noqa: E402
+from tictactoe_mastery import (  # noqa: E402
+    add_output_args,
+    evaluate,
+    format_table,
+    teacher_games,
+    warm_up,
+)
 
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 
@@ -49,11 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "tictactoe_capacity"))
-    parser.add_argument(
-        "--results", default=str(ROOT / "bench" / "results" / "tictactoe_capacity.json")
-    )
+    add_output_args(parser, "tictactoe_capacity")
     args = parser.parse_args(argv)
     out = Path(args.out)
     base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)

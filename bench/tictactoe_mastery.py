@@ -77,10 +77,11 @@ class DeadlineSink(ConsoleSink):
         super().progress(done, total, desc)
 
 
-def evaluate(model: str, games: int, args, label: str) -> dict:
-    """Win/draw/loss, invalid and format rates of `model` against each opponent."""
+def evaluate(model: str, games: int, args, label: str, opponents=tuple(OPPONENTS)) -> dict:
+    """Win/draw/loss, invalid and format rates of `model` against each of `opponents`."""
     rows = {}
-    for opponent, random_move_prob in OPPONENTS.items():
+    for opponent in opponents:
+        random_move_prob = OPPONENTS[opponent]
         cfg = EvalConfig(
             env="tictactoe",
             model=model,
@@ -115,6 +116,13 @@ def evaluate(model: str, games: int, args, label: str) -> dict:
             "seconds": round(time.monotonic() - started, 1),
         }
     return rows
+
+
+def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """--device, and where a benchmark called `name` keeps its runs and writes its results."""
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / name))
+    parser.add_argument("--results", default=str(ROOT / "bench" / "results" / f"{name}.json"))
 
 
 def teacher_games(teacher: str, games: int, env_args: dict, output_dir: Path) -> dict:
@@ -270,17 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--device", default="auto")
     parser.add_argument("--skip-base", action="store_true", help="do not evaluate the base model")
     parser.add_argument(
         "--quick",
         action="store_true",
         help="tiny budget and 50-game evals: checks the plumbing only",
     )
-    parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "tictactoe_mastery"))
-    parser.add_argument(
-        "--results", default=str(ROOT / "bench" / "results" / "tictactoe_mastery.json")
-    )
+    add_output_args(parser, "tictactoe_mastery")
     args = parser.parse_args(argv)
     if args.quick:
         args.budget_minutes, args.eval_games, args.sft_epochs = 2.0, 50, 2
