@@ -36,30 +36,25 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from tictactoe_mastery import add_output_args, evaluate, teacher_games, warm_up  # noqa: E402
 
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 from rlcore.train.config import SFTConfig  # noqa: E402
 from rlcore.train.sft import (  # noqa: E402
+    assistant_loss,
     build_sft_example,
     clip_gradients,
     load_model_and_tokenizer,
     load_sft_dataset,
-    pad_batch,
     resolve_device,
     save_checkpoint,
 )
 
 
 def batch_loss(model, tokenizer, examples, device) -> torch.Tensor:
-    """Mean cross-entropy over the assistant tokens of `examples` (as SFT computes it)."""
-    input_ids = pad_batch([ids for ids, _ in examples], tokenizer.pad_token_id).to(device)
-    mask = pad_batch([m for _, m in examples], 0).to(device)
-    attention = pad_batch([[1] * len(ids) for ids, _ in examples], 0).to(device)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
-    losses = F.cross_entropy(logits.flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
-    return (losses * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum()
+    """Mean cross-entropy over the assistant tokens of `examples`, as SFT computes it."""
+    masked = sum(sum(mask) for _, mask in examples)
+    return assistant_loss(model, examples, tokenizer.pad_token_id, device, masked)
 
 
 def one_step(

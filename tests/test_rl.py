@@ -44,20 +44,27 @@ def tiny_model(tmp_path_factory) -> str:
 def half_formatted_model(tiny_model, tmp_path_factory) -> str:
     """The tiny model after a short SFT on reverse-text replies of random letters, half of
     them missing the closing </reversed> (which scores 0): a policy RL can improve."""
-    work = tmp_path_factory.mktemp("warm")
     env = load_environment("reverse_text", **REVERSE_AB)
     rng = random.Random(0)
+    conversations = []
+    for example in env.examples(64, seed=123):
+        letters = "".join(rng.choice("ab") for _ in range(2))
+        closing = "</reversed>" if rng.random() < 0.5 else ""
+        reply = {"role": "assistant", "content": f"<reversed>{letters}{closing}"}
+        conversations.append([*example.prompt, reply])
+    return short_sft(tiny_model, conversations, tmp_path_factory.mktemp("warm"), steps=30)
+
+
+def short_sft(model: str, conversations: list[list[dict]], work, steps: int) -> str:
+    """`model` after `steps` SFT steps (batch 16, lr 3e-3) on `conversations`."""
     with (work / "data.jsonl").open("w") as out:
-        for example in env.examples(64, seed=123):
-            letters = "".join(rng.choice("ab") for _ in range(2))
-            closing = "</reversed>" if rng.random() < 0.5 else ""
-            reply = {"role": "assistant", "content": f"<reversed>{letters}{closing}"}
-            out.write(json.dumps({"messages": [*example.prompt, reply]}) + "\n")
+        for messages in conversations:
+            out.write(json.dumps({"messages": messages}) + "\n")
     cfg = SFTConfig(
-        model=tiny_model,
+        model=model,
         dataset=str(work / "data.jsonl"),
         output_dir=str(work / "sft"),
-        max_steps=30,
+        max_steps=steps,
         batch_size=16,
         micro_batch_size=16,
         lr=3e-3,
@@ -405,28 +412,19 @@ def thinking_model(tiny_model, tmp_path_factory) -> str:
     """The tiny model after a short SFT on opening tic-tac-toe replies with a think block."""
     from rlcore.envs.tictactoe import system_prompt, think_reply
 
-    work = tmp_path_factory.mktemp("think")
     rng = random.Random(0)
-    with (work / "data.jsonl").open("w") as out:
-        for index in range(64):
-            mark = "XO"[index % 2]
-            messages = [
-                {"role": "system", "content": system_prompt(mark)},
-                {"role": "user", "content": "012\n345\n678\nYour move."},
-                {"role": "assistant", "content": think_reply("." * 9, rng.randrange(9), mark)},
-            ]
-            out.write(json.dumps({"messages": messages}) + "\n")
-    cfg = SFTConfig(
-        model=tiny_model,
-        dataset=str(work / "data.jsonl"),
-        output_dir=str(work / "sft"),
-        max_steps=150,
-        batch_size=16,
-        micro_batch_size=16,
-        lr=3e-3,
-        lr_schedule="constant",
-    )
-    return run_sft(cfg, RecordingSink())
+    conversations = [
+        [
+            {"role": "system", "content": system_prompt("XO"[index % 2])},
+            {"role": "user", "content": "012\n345\n678\nYour move."},
+            {
+                "role": "assistant",
+                "content": think_reply("." * 9, rng.randrange(9), "XO"[index % 2]),
+            },
+        ]
+        for index in range(64)
+    ]
+    return short_sft(tiny_model, conversations, tmp_path_factory.mktemp("think"), steps=150)
 
 
 def test_a_think_only_kl_holds_the_think_block_the_loss_skips(thinking_model, tmp_path):

@@ -213,31 +213,34 @@ def think_length(completion_ids: list[int], pieces: dict[int, str], tokenizer) -
     return 0
 
 
-def _assemble(
-    rollout: Rollout,
-) -> list[tuple[list[int], list[int], list[float] | None, list[int]]]:
-    """The sequences of `build_sequences`, each with the turn index of every token
-    (-1 off the loss mask)."""
-    sequences: list[tuple[list[int], list[int], list[float] | None, list[int]]] = []
+Assembled = tuple[list[int], list[int], list[float] | None, list[int], list[int]]
+
+
+def _assemble(rollout: Rollout) -> list[Assembled]:
+    """The sequences of `build_sequences`, each with the turn index of every token and its
+    position in that turn's completion (both -1 off the loss mask)."""
+    sequences: list[Assembled] = []
     for index, turn in enumerate(rollout.turns):
         if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
-            input_ids, loss_mask, logprobs, turn_ids = sequences[-1]
+            input_ids, loss_mask, logprobs, turn_ids, offsets = sequences[-1]
             new_prompt = turn.prompt_ids[len(input_ids) :]
         else:
-            input_ids, loss_mask, logprobs, turn_ids = [], [], [], []
-            sequences.append((input_ids, loss_mask, logprobs, turn_ids))
+            input_ids, loss_mask, logprobs, turn_ids, offsets = [], [], [], [], []
+            sequences.append((input_ids, loss_mask, logprobs, turn_ids, offsets))
             new_prompt = turn.prompt_ids
         input_ids.extend(new_prompt)
         loss_mask.extend([0] * len(new_prompt))
         turn_ids.extend([-1] * len(new_prompt))
+        offsets.extend([-1] * len(new_prompt))
         input_ids.extend(turn.completion_ids)
         loss_mask.extend([1] * len(turn.completion_ids))
         turn_ids.extend([index] * len(turn.completion_ids))
+        offsets.extend(range(len(turn.completion_ids)))
         if logprobs is not None:
             logprobs.extend([0.0] * len(new_prompt))
             logprobs.extend(turn.logprobs or [])
             if turn.logprobs is None:
-                sequences[-1] = (input_ids, loss_mask, None, turn_ids)
+                sequences[-1] = (input_ids, loss_mask, None, turn_ids, offsets)
     return sequences
 
 
@@ -255,8 +258,8 @@ def build_sequences(
     """
     sequences = _assemble(rollout)
     if with_logprobs:
-        return [(input_ids, mask, logprobs) for input_ids, mask, logprobs, _ in sequences]
-    return [(input_ids, mask) for input_ids, mask, _, _ in sequences]
+        return [(input_ids, mask, logprobs) for input_ids, mask, logprobs, _, _ in sequences]
+    return [(input_ids, mask) for input_ids, mask, _, _, _ in sequences]
 
 
 def training_sequences(
@@ -282,12 +285,7 @@ def training_sequences(
             f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
         )
     result = []
-    for input_ids, _, logprobs, turn_ids in _assemble(rollout):
-        offsets, previous, count = [], -1, 0
-        for turn in turn_ids:
-            count = count + 1 if turn >= 0 and turn == previous else 0
-            offsets.append(count if turn >= 0 else -1)
-            previous = turn
+    for input_ids, _, logprobs, turn_ids, offsets in _assemble(rollout):
         policy = [
             turn >= 0 and offset >= (skip[turn] if skip else 0)
             for turn, offset in zip(turn_ids, offsets, strict=True)
@@ -505,10 +503,15 @@ def collate(chunk: list[TrainingSequence], pad_id: int, device: torch.device):
     return input_ids, attention_mask, loss_mask
 
 
+def target_rows(values: list[list[float]], width: int, device) -> torch.Tensor:
+    """Per-token values of each sequence, aligned with the targets (`collate`'s mask: the
+    first token is never predicted), right-padded with 0 to `width`."""
+    return padded([torch.tensor(v[1:], dtype=torch.float32) for v in values], width, device)
+
+
 def policy_weights(chunk: list[TrainingSequence], width: int, device) -> torch.Tensor:
     """Each target token's weight in the policy loss's sum, aligned with `collate`'s mask."""
-    rows = [torch.tensor((s.weights or s.loss_mask)[1:], dtype=torch.float32) for s in chunk]
-    return padded(rows, width, device)
+    return target_rows([s.weights or s.loss_mask for s in chunk], width, device)
 
 
 def padded(tensors: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
@@ -654,17 +657,11 @@ def update_policy(
             input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
             width = loss_mask.shape[1]
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
-            advantages = padded(
-                [torch.tensor(s.advantages[1:], dtype=torch.float32) for s in chunk], width, device
-            )
+            advantages = target_rows([s.advantages for s in chunk], width, device)
             weights = policy_weights(chunk, width, device)
             kl_weights = None
             if with_reference and chunk[0].kl_weights is not None:
-                kl_weights = padded(
-                    [torch.tensor(s.kl_weights[1:], dtype=torch.float32) for s in chunk],
-                    width,
-                    device,
-                )
+                kl_weights = target_rows([s.kl_weights for s in chunk], width, device)
             decisions = None
             if cfg.unlikelihood_ref_entropy > 0:
                 entropies = padded([s.ref_entropy for s in chunk], width, device)

@@ -245,6 +245,23 @@ def pad_batch(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
     return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
 
 
+def assistant_loss(
+    model, examples: list[tuple[list[int], list[int]]], pad_id: int, device, normalizer: float
+) -> torch.Tensor:
+    """Cross-entropy summed over the assistant tokens of `examples` ((ids, mask) pairs from
+    `build_sft_example`), divided by `normalizer` (the whole batch's assistant tokens, so
+    micro-batches accumulate to the batch's mean)."""
+    input_ids = pad_batch([ids for ids, _ in examples], pad_id).to(device)
+    loss_mask = pad_batch([mask for _, mask in examples], 0).to(device)
+    attention_mask = pad_batch([[1] * len(ids) for ids, _ in examples], 0).to(device)
+    with autocast(device):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    token_loss = F.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
+    )
+    return (token_loss * loss_mask[:, 1:].flatten()).sum() / normalizer
+
+
 def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
     """`indices` in micro-batches of `size`, neighbours in length, so padding stays small."""
     ordered = sorted(indices, key=lambda i: lengths[i])
@@ -315,21 +332,13 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         # token of the whole batch, so accumulation gives the same gradient as one pass.
         total_loss, seen_tokens = 0.0, 0
         for chunk in length_sorted_chunks(batch, lengths, cfg.micro_batch_size):
-            input_ids = pad_batch([examples[i][0] for i in chunk], tokenizer.pad_token_id)
-            loss_mask = pad_batch([examples[i][1] for i in chunk], 0)
-            attention_mask = pad_batch([[1] * lengths[i] for i in chunk], 0)
-            input_ids, loss_mask, attention_mask = (
-                t.to(device) for t in (input_ids, loss_mask, attention_mask)
+            chunk_examples = [examples[i] for i in chunk]
+            loss = assistant_loss(
+                model, chunk_examples, tokenizer.pad_token_id, device, masked_tokens
             )
-            with autocast(device):
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-            token_loss = F.cross_entropy(
-                logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
-            )
-            loss = (token_loss * loss_mask[:, 1:].flatten()).sum() / masked_tokens
             loss.backward()
             total_loss += loss.item()
-            seen_tokens += int(attention_mask.sum())
+            seen_tokens += sum(len(ids) for ids, _ in chunk_examples)
 
         grad_norm = clip_gradients(model, cfg.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
