@@ -146,9 +146,18 @@ def teacher_games(teacher: str, games: int, env_args: dict, output_dir: Path) ->
 
 
 def warm_up(
-    model: str, dataset: str, output_dir: Path, epochs: int, args, *, batch=16, lr=2e-3
+    model: str,
+    dataset: str,
+    output_dir: Path,
+    epochs: int,
+    args,
+    *,
+    batch=16,
+    lr=2e-3,
+    min_lr_ratio=0.1,
 ) -> str:
-    """SFT of `model` on `dataset`; returns the final checkpoint directory."""
+    """SFT of `model` on `dataset` (cosine from `lr` down to `min_lr_ratio` times it);
+    returns the final checkpoint directory."""
     return run_sft(
         SFTConfig(
             model=model,
@@ -158,6 +167,7 @@ def warm_up(
             batch_size=batch,
             micro_batch_size=batch,
             lr=lr,
+            min_lr_ratio=min_lr_ratio,
             warmup_steps=10,
             seed=args.seed,
             device=args.device,
@@ -180,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         "the cells that win and those that block; the teacher's moves stay random",
     )
     parser.add_argument("--sft-epochs", type=int, default=40)
+    parser.add_argument("--sft-lr", type=float, default=2e-3, help="SFT peak learning rate")
+    parser.add_argument(
+        "--sft-min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="SFT's cosine ends at this times --sft-lr (1: constant); a model that ends SFT "
+        "at a higher rate may take RL at a higher one",
+    )
     parser.add_argument("--rl-min-p", type=float, default=0.0)
     parser.add_argument("--rl-max-p", type=float, default=1.0)
     parser.add_argument("--rl-batch", type=int, default=64)
@@ -241,10 +259,42 @@ def main(argv: list[str] | None = None) -> int:
         help="entropy bonus weight (entropy_coef): keeps the move choice exploring",
     )
     parser.add_argument(
+        "--rl-decision-samples",
+        type=int,
+        default=0,
+        help="decision_samples: moves drawn from the policy at each reply's move digit, each "
+        "scored by the env's per-move reward and trained as a group (0: off)",
+    )
+    parser.add_argument(
+        "--rl-decision-weight",
+        type=float,
+        default=1.0,
+        help="decision_weight: a decision's samples together weigh as one turn times this",
+    )
+    parser.add_argument(
+        "--rl-decision-temperature",
+        type=float,
+        default=0.0,
+        help="decision_temperature: draw the decision samples at this temperature, trained "
+        "as if on-policy (0: the RL sampling temperature)",
+    )
+    parser.add_argument(
+        "--rl-decision-no-scale",
+        action="store_true",
+        help="decision_scale_rewards = false: decision advantages not divided by the std",
+    )
+    parser.add_argument(
         "--rl-kl-scope",
-        choices=["all", "think"],
+        choices=["all", "think", "untrained"],
         default="all",
-        help="tokens the KL penalty holds: all trained ones, or each reply's think block only",
+        help="tokens the KL penalty holds: all trained ones, each reply's think block only, or "
+        "every reply token the policy loss leaves out",
+    )
+    parser.add_argument(
+        "--rl-train-scope",
+        choices=["reply", "decision"],
+        default="reply",
+        help="tokens the policy loss trains: the reply, or only its move digit",
     )
     parser.add_argument(
         "--rl-iterations", type=int, default=1, help="clipped updates per batch of rollouts"
@@ -306,7 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     times["synth"] = time.monotonic() - started
 
     started = time.monotonic()
-    sft_dir = warm_up(base, synth["path"], out / "sft", args.sft_epochs, args)
+    sft_dir = warm_up(
+        base,
+        synth["path"],
+        out / "sft",
+        args.sft_epochs,
+        args,
+        lr=args.sft_lr,
+        min_lr_ratio=args.sft_min_lr_ratio,
+    )
     times["sft"] = time.monotonic() - started
     checkpoints["sft"] = sft_dir
 
@@ -338,7 +396,12 @@ def main(argv: list[str] | None = None) -> int:
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             kl_scope=args.rl_kl_scope,
+            train_scope=args.rl_train_scope,
             entropy_coef=args.rl_entropy,
+            decision_samples=args.rl_decision_samples,
+            decision_weight=args.rl_decision_weight,
+            decision_temperature=args.rl_decision_temperature,
+            decision_scale_rewards=not args.rl_decision_no_scale,
             unlikelihood_below=args.rl_unlikelihood,
             unlikelihood_ref_entropy=args.rl_unlikelihood_ref_entropy,
             curriculum_steps=args.rl_curriculum_steps,

@@ -27,7 +27,8 @@ LOSS_TYPES = ("grpo", "cispo", "dr_grpo")
 LR_SCHEDULES = ("cosine", "constant")
 LOSS_AGGREGATIONS = ("token", "sequence", "turn")
 ADVANTAGES = ("group", "tree", "none")
-KL_SCOPES = ("all", "think")
+KL_SCOPES = ("all", "think", "untrained")
+TRAIN_SCOPES = ("reply", "decision")
 
 
 class ConfigError(ValueError):
@@ -242,11 +243,35 @@ class RLConfig:
     """weight of an entropy bonus: the loss subtracts this times the mean entropy of the
     sampling distribution at each trained token (weighed as the policy loss), so the
     policy does not commit to one answer before it has tried the others (0: none)"""
+    decision_samples: int = 0
+    """0: off. K >= 2: at each reply's decision token (the env's `decision_offset`:
+    tic-tac-toe's move digit) K tokens are drawn from the policy's own distribution there,
+    each scored by the env as the reply with that token in place of the sampled one
+    (`score_decision`: the per-turn reward it would have earned in that position), and
+    trained as a group: reward minus the group's mean, through the same loss. A group per
+    decision, not only per prompt, at no extra forward pass (rlcore.train.decisions)"""
+    decision_weight: float = 1.0
+    """weight of a decision's K samples together in the loss sum (1: as much as one turn
+    under turn aggregation)"""
+    decision_temperature: float = 0.0
+    """0: decision samples come from the sampling distribution (`temperature`). Above 0:
+    from the policy at this temperature instead, e.g. 3 to explore answers the policy has
+    all but ruled out; they are trained as if sampled at `temperature` (no importance
+    weight), so a good answer found that way is pushed up in full"""
+    decision_scale_rewards: bool = True
+    """divide each decision group's advantages by its reward std (GRPO's scaling), so a
+    rare good answer among K is pushed up as hard as a common one"""
     kl_scope: str = "all"
     """which tokens the KL penalty (beta) holds to the starting model: "all" the tokens the
     policy loss trains; "think" each reply's think block only, trained or not, so a
     reasoning routine learnt in SFT stays put while the answer after it learns freely
-    (with train_think = false the think block then gets the KL term alone)"""
+    (with train_think = false the think block then gets the KL term alone); "untrained"
+    every reply token the policy loss leaves out (with train_scope "decision": all but the
+    decision, so the format learnt in SFT is held while the choice learns)"""
+    train_scope: str = "reply"
+    """which reply tokens the policy loss trains: "reply" all of them (less the think block
+    with train_think = false); "decision" only each reply's decision token (the env's
+    `decision_offset`: tic-tac-toe's move digit; a reply without one is trained whole)"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8
@@ -344,8 +369,21 @@ class RLConfig:
             )
         elif self.unlikelihood_ref_entropy > 0 and not self.unlikelihood_below > 0:
             errors.append("unlikelihood_ref_entropy needs unlikelihood_below > 0")
+        if self.decision_samples == 1 or self.decision_samples < 0:
+            errors.append(
+                f"decision_samples must be 0 (off) or at least 2 (a group), got "
+                f"{self.decision_samples!r}"
+            )
+        if not self.decision_temperature >= 0.0:
+            errors.append(f"decision_temperature must be >= 0, got {self.decision_temperature!r}")
+        if not self.decision_weight > 0.0:
+            errors.append(f"decision_weight must be > 0, got {self.decision_weight!r}")
         if not self.entropy_coef >= 0.0:
             errors.append(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
+        if self.train_scope not in TRAIN_SCOPES:
+            errors.append(
+                f"train_scope must be one of {list(TRAIN_SCOPES)}, got {self.train_scope!r}"
+            )
         if self.kl_scope not in KL_SCOPES:
             errors.append(f"kl_scope must be one of {list(KL_SCOPES)}, got {self.kl_scope!r}")
         elif self.kl_scope != "all" and not self.beta > 0:

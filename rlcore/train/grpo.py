@@ -29,7 +29,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,13 @@ from rlcore.events import EventSink, NullSink
 from rlcore.policy.local import LocalEngine
 from rlcore.rollout import run_rollouts
 from rlcore.train.config import RLConfig, save_config
+from rlcore.train.decisions import (
+    DecisionScorer,
+    Scorer,
+    decision_advantages,
+    decision_tokens,
+    supports_decisions,
+)
 from rlcore.train.sampling import StratifiedSampler
 from rlcore.train.sft import (
     autocast,
@@ -268,6 +275,11 @@ def training_sequences(
     aggregation: str,
     skip: list[int] | None = None,
     kl_only: list[int] | None = None,
+    decision_tokens: list[int | None] | None = None,
+    rollout_index: int = 0,
+    *,
+    decision_only: bool = False,
+    kl_untrained: bool = False,
 ) -> list[TrainingSequence]:
     """`build_sequences` of one rollout as TrainingSequences: every sampled token carries
     its turn's advantage and its weight in the loss's sum, 1 (token aggregation),
@@ -279,28 +291,58 @@ def training_sequences(
     block, with kl_scope "think"): those tokens join the mask with their own `kl_weights`
     (same aggregation rule, over the think tokens), even where `skip` keeps them out of the
     policy loss; every other token gets KL weight 0. Without it the KL term weighs tokens
-    as the policy loss does."""
+    as the policy loss does.
+
+    `decision_tokens[t]`, when given, is the index in turn t's completion of its decision
+    token (None: no decision): each such token under the policy loss is listed in the
+    sequence's `decisions` as (position in input_ids, rollout_index, t, that index), for
+    decision sampling. With `decision_only` (train_scope "decision") a turn that has a
+    decision keeps only that token under the policy loss (a turn without one, a malformed
+    reply, keeps all its tokens). With `kl_untrained` (kl_scope "untrained") the KL term
+    covers exactly the completion tokens the policy loss leaves out, weighed as `kl_only`'s
+    are."""
     if len(turn_advantages) != len(rollout.turns):
         raise ValueError(
             f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
         )
     result = []
+    if decision_only and decision_tokens is None:
+        raise ValueError("decision_only needs decision_tokens")
     for input_ids, _, logprobs, turn_ids, offsets in _assemble(rollout):
         policy = [
-            turn >= 0 and offset >= (skip[turn] if skip else 0)
+            turn >= 0
+            and offset >= (skip[turn] if skip else 0)
+            and (
+                not decision_only
+                or decision_tokens[turn] is None
+                or offset == decision_tokens[turn]
+            )
             for turn, offset in zip(turn_ids, offsets, strict=True)
         ]
-        anchored = [
-            kl_only is not None and turn >= 0 and offset < kl_only[turn]
-            for turn, offset in zip(turn_ids, offsets, strict=True)
-        ]
+        if kl_untrained:
+            anchored = [turn >= 0 and not keep for turn, keep in zip(turn_ids, policy, strict=True)]
+        else:
+            anchored = [
+                kl_only is not None and turn >= 0 and offset < kl_only[turn]
+                for turn, offset in zip(turn_ids, offsets, strict=True)
+            ]
+        separate_kl = kl_only is not None or kl_untrained
         weights = _aggregated_weights(turn_ids, policy, aggregation)
-        kl_weights = _aggregated_weights(turn_ids, anchored, aggregation) if kl_only else None
+        kl_weights = _aggregated_weights(turn_ids, anchored, aggregation) if separate_kl else None
         loss_mask = [int(a or b) for a, b in zip(policy, anchored, strict=True)]
         advantages = [
             turn_advantages[turn] if keep else 0.0
             for turn, keep in zip(turn_ids, policy, strict=True)
         ]
+        decisions = []
+        if decision_tokens is not None:
+            decisions = [
+                (position, rollout_index, turn, offset)
+                for position, (turn, offset, keep) in enumerate(
+                    zip(turn_ids, offsets, policy, strict=True)
+                )
+                if keep and position > 0 and offset == decision_tokens[turn]
+            ]
         result.append(
             TrainingSequence(
                 input_ids,
@@ -310,6 +352,7 @@ def training_sequences(
                 weights=weights,
                 turns=len({turn for turn, keep in zip(turn_ids, policy, strict=True) if keep}),
                 kl_weights=kl_weights,
+                decisions=decisions,
             )
         )
     return result
@@ -455,10 +498,12 @@ def token_logprobs(
     temperature: float,
     *,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    at: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
-    (the distribution the engine sampled from), and optionally its entropy. Gathering
-    minus logsumexp avoids a second vocabulary-sized tensor for the log-softmax."""
+    (the distribution the engine sampled from), optionally its entropy, and with `at`
+    (row and target-column indices) the whole log-distribution at those targets [n, V].
+    Gathering minus logsumexp avoids a second vocabulary-sized tensor for the log-softmax."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     logits = logits.float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
@@ -466,7 +511,11 @@ def token_logprobs(
     entropy = None
     if with_entropy:
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logprobs, entropy
+    distributions = None
+    if at is not None:
+        rows, columns = at
+        distributions = logits[rows, columns] - log_normalizer[rows, columns, None]
+    return logprobs, entropy, distributions
 
 
 # ---------------------------------------------------------------------------------------
@@ -487,6 +536,9 @@ class TrainingSequence:
     ref_logprobs: torch.Tensor | None = None
     kl_weights: list[float] | None = None  # per token, in the KL term's sum (None: weights)
     ref_entropy: torch.Tensor | None = None  # [len - 1], the reference's sampling entropy
+    # (position in input_ids, rollout index, turn index, index in the turn's completion)
+    # of each decision token, for decision sampling
+    decisions: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[TrainingSequence]]:
@@ -591,12 +643,12 @@ def score_sequences(model, reference, sequences, cfg: RLConfig, pad_id: int, dev
         weights = policy_weights(chunk, loss_mask.shape[1], device)
         trained = loss_mask * (weights > 0)  # under the policy loss, not the KL alone
         with autocast(device):
-            old, entropy = token_logprobs(
+            old, entropy, _ = token_logprobs(
                 model, input_ids, attention_mask, cfg.temperature, with_entropy=True
             )
             ref = ref_entropy = None
             if reference is not None:
-                ref, ref_entropy = token_logprobs(
+                ref, ref_entropy, _ = token_logprobs(
                     reference,
                     input_ids,
                     attention_mask,
@@ -634,15 +686,25 @@ def update_policy(
     device,
     *,
     with_reference: bool,
+    scorer: Scorer | None = None,
 ) -> dict:
     """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
-    of `policy_loss` over length-sorted micro-batches; returns the loss statistics."""
+    of `policy_loss` over length-sorted micro-batches; returns the loss statistics.
+    With `cfg.decision_samples` and a `scorer`, each sequence's decisions add
+    `decision_loss` (samples drawn afresh in every update)."""
+    sampling_decisions = cfg.decision_samples > 0 and scorer is not None
     # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
     # (An entropy bonus reaches every sampled token, so it keeps them all.)
     trainable = [
-        s for s in sequences if any(s.advantages) or with_reference or cfg.entropy_coef > 0
+        s
+        for s in sequences
+        if any(s.advantages)
+        or with_reference
+        or cfg.entropy_coef > 0
+        or (sampling_decisions and s.decisions)
     ]
+    decision_stats = DecisionStats()
     # With one update and no reference the old logprobs are the current ones: take them
     # from this very forward pass (ratio exactly 1) instead of a separate no-grad pass,
     # and measure entropy and the sampling mismatch here, on the sequences trained on.
@@ -666,9 +728,15 @@ def update_policy(
             if cfg.unlikelihood_ref_entropy > 0:
                 entropies = padded([s.ref_entropy for s in chunk], width, device)
                 decisions = entropies >= cfg.unlikelihood_ref_entropy
+            at = decision_targets(chunk, device) if sampling_decisions else None
             with autocast(device):
-                logprobs, entropy = token_logprobs(
-                    model, input_ids, attention_mask, cfg.temperature, with_entropy=with_entropy
+                logprobs, entropy, distributions = token_logprobs(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    cfg.temperature,
+                    with_entropy=with_entropy,
+                    at=at,
                 )
             trained = loss_mask * (weights > 0)  # under the policy loss, not the KL alone
             if with_entropy:
@@ -705,6 +773,10 @@ def update_policy(
                 bonus = (entropy * weights * trained).sum() / max(float(normalizer), 1e-8)
                 loss = loss - cfg.entropy_coef * bonus
                 bonus_sum += float(bonus.detach())
+            if distributions is not None and len(distributions):
+                loss = loss + decision_loss(
+                    chunk, distributions, cfg, scorer, normalizer, decision_stats
+                )
             loss.backward()
             policy_sum += stats["loss/policy"]
             kl_sum += stats["loss/kl"] * stats["tokens"]
@@ -728,6 +800,8 @@ def update_policy(
         measured["loss/entropy_bonus"] = bonus
     if cfg.unlikelihood_below > 0:
         measured["policy/unlikelihood_fraction"] = unlikely_sum / max(tokens, 1.0)
+    if sampling_decisions:
+        measured.update(decision_stats.metrics(cfg.num_iterations))
     return measured | {
         "loss/policy": policy,
         "loss/kl": kl,
@@ -736,6 +810,106 @@ def update_policy(
         "optim/grad_norm": sum(grad_norms) / len(grad_norms),
         "optim/lr": learning_rates[-1],
     }
+
+
+def decision_targets(chunk: list[TrainingSequence], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and target-column indices of the chunk's decision tokens, in `decisions` order
+    (the target predicting input position j sits in column j - 1)."""
+    rows = [row for row, s in enumerate(chunk) for _ in s.decisions]
+    columns = [position - 1 for s in chunk for position, *_ in s.decisions]
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(columns, dtype=torch.long, device=device),
+    )
+
+
+class DecisionStats:
+    """Running sums for the decision-sampling metrics of one update_policy call."""
+
+    def __init__(self) -> None:
+        self.groups = 0
+        self.reward_sum = 0.0
+        self.samples = 0
+        self.zero_groups = 0
+        self.loss_sum = 0.0
+
+    def metrics(self, iterations: int) -> dict[str, float]:
+        return {
+            "decision/groups": self.groups / max(iterations, 1),
+            "decision/reward_mean": self.reward_sum / max(self.samples, 1),
+            "decision/zero_group_rate": self.zero_groups / max(self.groups, 1),
+            "loss/decision": self.loss_sum / max(iterations, 1),
+        }
+
+
+def decision_loss(
+    chunk: list[TrainingSequence],
+    distributions: torch.Tensor,
+    cfg: RLConfig,
+    scorer: Scorer,
+    normalizer: float,
+    stats: DecisionStats,
+) -> torch.Tensor:
+    """The decision-sampling term of a micro-batch (rlcore.train.decisions).
+
+    `distributions` [decisions, V] are the log-probabilities at the chunk's decision
+    tokens (`decision_targets` order), with gradient. `cfg.decision_samples` tokens are
+    drawn per decision from exp(distributions) (with `cfg.decision_temperature`, from that
+    distribution re-tempered: an exploring draw), scored by `scorer` and given group
+    advantages. Samples are drawn afresh in every update from the current weights, so
+    they are always on-policy: each update of a batch (`num_iterations`) is a new round of
+    answers in the positions the rollouts reached, with no rollout to pay for, and the
+    ratio is 1 (no clip). An exploring draw is trained as if the policy had drawn it (no
+    importance weight): a good answer the policy rarely gives is pushed up as hard as a
+    common one, which is the point of exploring. Each sample then is one more token of `policy_loss` (same loss type and clip),
+    weighing `cfg.decision_weight / K`: a decision's K samples together weigh as much as
+    one turn under turn aggregation, in the sum `normalizer` divides.
+    """
+    count = cfg.decision_samples
+    tokens, advantages = [], []
+    start = 0
+    for sequence in chunk:
+        size = len(sequence.decisions)
+        if not size:
+            continue
+        rows = distributions[start : start + size]
+        start += size
+        detached = rows.detach().float()
+        draw_from = detached
+        if cfg.decision_temperature > 0:
+            draw_from = detached * (cfg.temperature / cfg.decision_temperature)
+        sampled = torch.multinomial(torch.softmax(draw_from, dim=-1), count, replacement=True)
+        rewards = torch.tensor(
+            [
+                scorer(rollout_index, turn_index, index, row_tokens)
+                for (_, rollout_index, turn_index, index), row_tokens in zip(
+                    sequence.decisions, sampled.tolist(), strict=True
+                )
+            ],
+            dtype=torch.float32,
+            device=rows.device,
+        )
+        stats.groups += size
+        stats.samples += rewards.numel()
+        stats.reward_sum += float(rewards.sum())
+        stats.zero_groups += int((rewards.std(dim=1) == 0).sum())
+        tokens.append(sampled)
+        advantages.append(decision_advantages(rewards, cfg.decision_scale_rewards))
+    sampled = torch.cat(tokens)
+    logprobs = distributions.float().gather(1, sampled)
+    mask = torch.ones_like(logprobs)
+    loss, _ = policy_loss(
+        logprobs,
+        logprobs.detach(),
+        None,
+        torch.cat(advantages),
+        mask,
+        cfg,
+        normalizer=normalizer,
+        weights=mask * (cfg.decision_weight / count),
+    )
+    stats.loss_sum += float(loss.detach())
+    return loss
 
 
 def curriculum_groups(cfg: RLConfig, num_groups: int, step: int) -> list[int]:
@@ -780,6 +954,13 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
         raise ValueError(
             f"turn_reward_weight={cfg.turn_reward_weight} needs an env with per-turn rewards; "
             f"{env.name!r} judges whole episodes only (set turn_reward_weight = 0)"
+        )
+    if (cfg.decision_samples or cfg.train_scope == "decision") and not supports_decisions(env):
+        raise ValueError(
+            f"decision_samples={cfg.decision_samples} / train_scope={cfg.train_scope!r} need "
+            "an env that names each reply's decision and scores alternatives "
+            f"(decision_offset, score_decision); {env.name!r} does not (set decision_samples "
+            "= 0 and train_scope = 'reply')"
         )
     model, tokenizer = load_model_and_tokenizer(cfg.resume_from or cfg.model, device)
     model.eval()  # no dropout: the importance ratio must be exactly 1 before an update
@@ -894,6 +1075,10 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                     [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
                     for rollout in rollouts
                 ]
+            scorer = None
+            if cfg.decision_samples:
+                scorer = DecisionScorer(env, rollouts, pieces, tokenizer)
+            needs_decisions = cfg.decision_samples > 0 or cfg.train_scope == "decision"
             sequences = [
                 sequence
                 for index, (rollout, advantages) in enumerate(
@@ -905,6 +1090,10 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                     aggregation,
                     None if cfg.train_think else thinks[index],
                     thinks[index] if cfg.kl_scope == "think" else None,
+                    decision_tokens(env, rollout, pieces, tokenizer) if needs_decisions else None,
+                    index,
+                    decision_only=cfg.train_scope == "decision",
+                    kl_untrained=cfg.kl_scope == "untrained",
                 )
             ]
             # Tokens under the policy loss (a think block kept only for the KL is not one).
@@ -929,6 +1118,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                 pad_id,
                 device,
                 with_reference=reference is not None,
+                scorer=scorer,
             )
             train_seconds = time.monotonic() - train_started
             step_seconds = time.monotonic() - step_started
