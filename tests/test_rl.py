@@ -518,3 +518,40 @@ def test_unlikelihood_on_the_reference_s_decisions_runs_without_a_kl(
     assert metrics["loss/kl"] == 0.0
     assert 0.0 <= metrics["policy/unlikelihood_fraction"] < 1.0
     assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"])
+
+
+def test_decision_sampling_trains_the_move_digit_and_holds_the_rest(thinking_model, tmp_path):
+    metrics, rollouts = tictactoe_step(
+        thinking_model,
+        tmp_path,
+        env_args={"max_turns": 1},
+        decision_samples=8,
+        decision_temperature=2.0,
+        train_scope="decision",
+        kl_scope="untrained",
+        beta=0.1,
+        num_iterations=2,
+        lr=1e-3,
+        max_tokens=40,
+        micro_batch_size=4,
+        log_rollouts=16,
+    )
+    assert len(rollouts) == 16  # the whole batch
+    moves = [r for r in rollouts if "<move>" in r.completion[0]["content"]]
+    assert moves, [r.completion[0]["content"] for r in rollouts]
+    # One group of 8 answers per reply with a move tag, drawn in each of the 2 updates
+    # (groups are reported per update); each answer scored 0 or 1 by the board's solver.
+    assert metrics["decision/groups"] == len(moves)
+    assert 0.0 < metrics["decision/reward_mean"] < 1.0
+    assert 0.0 <= metrics["decision/zero_group_rate"] < 1.0
+    assert metrics["optim/grad_norm"] > 0
+    # The policy loss trains the digits only; the KL after the first update is on the
+    # rest of the replies, which kl_scope "untrained" holds.
+    assert metrics["loss/kl"] > 0
+    assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"] + 0.1 * metrics["loss/kl"])
+
+
+def test_decision_sampling_needs_an_env_that_names_decisions(tiny_model, tmp_path):
+    for changes in ({"decision_samples": 4}, {"train_scope": "decision"}):
+        with pytest.raises(ValueError, match="'reverse_text' does not"):
+            run_rl(rl_config(tiny_model, tmp_path, **changes), RecordingSink())
