@@ -5,11 +5,12 @@ by one rollout only, so a move is judged on one sample. When the env names the t
 carries a reply's decision (`Environment.decision_offset`: tic-tac-toe's move digit) and
 can score another answer in the same position (`Environment.score_decision`: the per-turn
 reward the move would have earned), RL's `decision_samples` K draws K tokens there from
-the policy's own distribution (the one the rollout sampled from: same weights, same
-temperature), has the env score each as a whole reply with that token in place of the
-sampled one, and trains on them as a group: each sample's reward minus the group's mean
-(divided by its std with `decision_scale_rewards`), through the same clipped loss as every
-other token. The extra samples cost one env call each and no extra forward pass: the
+the policy's own distribution (current weights, sampling temperature; or re-tempered with
+`decision_temperature`, to explore), has the env score each as a whole reply with that
+token in place of the sampled one, and trains on them as a group: each sample's reward
+minus the group's mean (divided by its std with `decision_scale_rewards`), through the
+same loss as every other token. The samples are drawn afresh in every update, so their
+ratio is 1. They cost one env call per distinct token and no extra forward pass: the
 training pass already computes the distribution at that position.
 
 The functions here are pure and tested directly; `grpo.update_policy` calls them.
