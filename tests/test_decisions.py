@@ -24,16 +24,14 @@ from rlcore.types import Rollout, Turn
 BOARD = "XX.OO...."
 
 
+def rollout_of(turns: list[Turn], **fields) -> Rollout:
+    return Rollout(example_id=0, seed=0, group=0, messages=[], prompt_len=0, turns=turns, **fields)
+
+
 def rollout_at(board: str, completion_ids: list[int], mark: str = "X") -> Rollout:
-    return Rollout(
-        example_id=0,
-        seed=0,
-        group=0,
-        messages=[],
-        prompt_len=0,
-        state={"model_mark": mark},
-        turns=[Turn(prompt_ids=[1], completion_ids=completion_ids, state_key=f"{board}/0")],
-    )
+    """One turn of the model as `mark`, made on `board`."""
+    turn = Turn(prompt_ids=[1], completion_ids=completion_ids, state_key=f"{board}/0")
+    return rollout_of([turn], state={"model_mark": mark})
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +141,11 @@ def test_decision_advantages_are_rewards_minus_the_group_mean_optionally_over_it
 
 
 def two_turn_rollout() -> Rollout:
-    return Rollout(
-        example_id=0,
-        seed=0,
-        group=0,
-        messages=[],
-        prompt_len=0,
-        turns=[
+    return rollout_of(
+        [
             Turn(prompt_ids=[1, 2], completion_ids=[3, 4, 5]),
             Turn(prompt_ids=[1, 2, 3, 4, 5, 6], completion_ids=[7, 8]),
-        ],
+        ]
     )
 
 

@@ -48,6 +48,7 @@ from rlcore.train.decisions import (
     decision_advantages,
     decision_tokens,
     supports_decisions,
+    token_pieces,
 )
 from rlcore.train.sampling import StratifiedSampler
 from rlcore.train.sft import (
@@ -211,10 +212,8 @@ def think_length(completion_ids: list[int], pieces: dict[int, str], tokenizer) -
     """How many leading tokens of a reply make up its think block, through `</think>`
     (0 when it has none). `pieces` caches each token id's text across calls."""
     text = ""
-    for count, token in enumerate(completion_ids, start=1):
-        if token not in pieces:
-            pieces[token] = tokenizer.decode([token])
-        text += pieces[token]
+    for count, piece in enumerate(token_pieces(completion_ids, pieces, tokenizer), start=1):
+        text += piece
         if "</think>" in text:
             return count
     return 0
