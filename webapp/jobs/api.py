@@ -14,7 +14,8 @@ import json
 
 from django.core.exceptions import ValidationError
 from django.core.paginator import EmptyPage, Paginator
-from django.http import Http404, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse
+from django.utils.cache import get_conditional_response
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from rlcore.envs import ParamError
@@ -170,7 +171,11 @@ def job_cancel(request, pk: int):
 @api_view
 def job_metrics(request, pk: int):
     """?since=N: points with step > N; ?names=a,b: only those series; ?max_points=M:
-    longer series are downsampled keeping each bin's min and max."""
+    longer series are downsampled keeping each bin's min and max.
+
+    The ETag names the version of the job's series (see selectors.metric_series_version);
+    a request whose If-None-Match holds it gets 304 with no body. Ownership is checked
+    first, so a 304 tells nobody about a job that is not theirs."""
     job = selectors.job_for_user(request.user, pk)
     try:
         since = _int_param(request, "since")
@@ -180,16 +185,21 @@ def job_metrics(request, pk: int):
     except ValidationError as exc:
         return _validation_response(exc)
     names = [n for n in request.GET.get("names", "").split(",") if n]
-    return JsonResponse(
-        {
-            "job": job.pk,
-            "since": since,
-            "last_step": job.last_step,
-            "metrics": selectors.metric_series(
-                job, since=since, names=names, max_points=max_points
-            ),
-        }
-    )
+    version = selectors.metric_series_version(job, since=since, names=names, max_points=max_points)
+    etag = f'"{version}"'
+    response = get_conditional_response(request, etag=etag)
+    if response is None:
+        series = selectors.metric_series_json(
+            job, since=since, names=names, max_points=max_points, version=version
+        )
+        head = json.dumps({"job": job.pk, "since": since, "last_step": job.last_step})
+        # The cached series is spliced in as it was encoded.
+        body = head.removesuffix("}").encode() + b', "metrics": ' + series + b"}"
+        response = HttpResponse(body, content_type="application/json")
+    response["ETag"] = etag
+    # Per user, and to be revalidated: a running job's series changes every step.
+    response["Cache-Control"] = "private, no-cache"
+    return response
 
 
 @require_GET
@@ -263,7 +273,7 @@ def job_updates(request, pk: int):
             "rollouts": [r.to_summary() for r in selectors.recent_rollouts(job, since=since)],
             "logs": [line.to_dict() for line in selectors.logs_after(job, after=log_after)],
             "checkpoints": [
-                {"id": c.pk, "step": c.step, "path": c.path} for c in job.checkpoints.all()
+                {"id": c.pk, "step": c.step, "path": c.path} for c in job.current_checkpoints()
             ],
         }
     )

@@ -6,15 +6,22 @@ sees their own jobs, configs and models; staff see everyone's.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import defaultdict
 from dataclasses import dataclass
+from operator import itemgetter
 
-from django.db.models import QuerySet
+from django.core.cache import cache
+from django.db.models import FloatField, Func, QuerySet
 from django.shortcuts import get_object_or_404
 
 from webapp.jobs.models import EnvironmentConfig, Job, LogLine, Metric, ModelEntry, Rollout
 
 DEFAULT_MAX_POINTS = 2000
+# A version of a series never changes (its key does), so this only bounds the memory
+# that series nobody asks for again hold.
+METRIC_CACHE_SECONDS = 600
 
 
 def jobs_for_user(user) -> QuerySet[Job]:
@@ -51,6 +58,24 @@ def synth_datasets_for_user(user) -> list[tuple[str, str]]:
 # Metrics
 
 
+class EpochSeconds(Func):
+    """A datetime column as float seconds since the Unix epoch, computed by the database:
+    converting thousands of timestamps to aware datetimes in Python costs more than the
+    query itself."""
+
+    output_field = FloatField()
+    template = "EXTRACT(EPOCH FROM %(expressions)s)::double precision"
+
+    def as_sqlite(self, compiler, connection, **extra_context):
+        # Django stores datetimes as UTC text; julianday() reads it.
+        return self.as_sql(
+            compiler,
+            connection,
+            template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)",
+            **extra_context,
+        )
+
+
 def downsample(points: list[tuple], max_points: int) -> list[tuple]:
     """At most about `max_points` points: the series cut into bins, keeping each bin's
     lowest and highest value (in step order), so spikes survive downsampling."""
@@ -58,14 +83,17 @@ def downsample(points: list[tuple], max_points: int) -> list[tuple]:
         return points
     bins = max_points // 2
     size = len(points) / bins
+    by_value = itemgetter(1)
     kept = []
     for b in range(bins):
         chunk = points[int(b * size) : int((b + 1) * size)]
         if not chunk:
             continue
-        low = min(chunk, key=lambda p: p[1])
-        high = max(chunk, key=lambda p: p[1])
-        kept.extend(sorted({low, high}, key=lambda p: p[0]))
+        low, high = min(chunk, key=by_value), max(chunk, key=by_value)
+        if low == high:
+            kept.append(low)
+        else:
+            kept.extend((low, high) if low[0] <= high[0] else (high, low))
     return kept
 
 
@@ -83,14 +111,49 @@ def metric_series(
     if names:
         rows = rows.filter(name__in=names)
     by_name: dict[str, list[tuple]] = defaultdict(list)
-    for name, step, value, created in rows.order_by("name", "step", "id").values_list(
-        "name", "step", "value", "created"
+    for name, step, value, t in (
+        rows.order_by("name", "step", "id")
+        .annotate(t=EpochSeconds("created"))
+        .values_list("name", "step", "value", "t")
     ):
-        by_name[name].append((step, value, created.timestamp()))
+        by_name[name].append((step, value, t))
     return {
         name: [{"step": s, "value": v, "t": t} for s, v, t in downsample(points, max_points)]
         for name, points in sorted(by_name.items())
     }
+
+
+def metric_series_version(job: Job, *, since: int | None, names: list[str], max_points: int) -> str:
+    """A digest that changes whenever `metric_series` with these arguments could: the
+    worker's sink bumps the job's heartbeat (and step cursor) in the same transaction as
+    every batch of points it writes, and a requeue that drops the points resets them and
+    the status. Serves as the cache key and the ETag."""
+    heartbeat = job.heartbeat.timestamp() if job.heartbeat else None
+    parts = (job.pk, job.status, job.last_step, heartbeat, since, sorted(names), max_points)
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
+
+
+def metric_series_json(
+    job: Job,
+    *,
+    since: int | None = None,
+    names: list[str] | None = None,
+    max_points: int = DEFAULT_MAX_POINTS,
+    version: str | None = None,
+) -> bytes:
+    """`metric_series` encoded as JSON, from Django's cache when this version of the job's
+    series was encoded before. Encoded bytes are what is cached: a finished job's series is
+    read by every viewer alike, and decoding and re-encoding thousands of points on each
+    hit would cost most of what the cache saves."""
+    names = names or []
+    version = version or metric_series_version(job, since=since, names=names, max_points=max_points)
+    key = f"metric-series:{version}"
+    encoded = cache.get(key)
+    if encoded is None:
+        series = metric_series(job, since=since, names=names, max_points=max_points)
+        encoded = json.dumps(series, separators=(",", ":")).encode()
+        cache.set(key, encoded, METRIC_CACHE_SECONDS)
+    return encoded
 
 
 def metric_names(jobs) -> list[str]:
