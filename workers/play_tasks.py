@@ -25,6 +25,7 @@ from rlcore.envs import load_environment
 from rlcore.envs.tictactoe import parse_move
 from rlcore.parsers import ThinkParser
 from rlcore.policy import Policy, load_policy
+from webapp.jobs.models import ApiKey
 from webapp.play import services
 from webapp.play.models import Game
 from workers.celery import app
@@ -44,12 +45,12 @@ def policy_for(policy: dict) -> Policy:
     """The policy a game's `policy` field names; local models come from the cache."""
     model = policy["model"]
     if policy.get("kind") == "openai":
+        api_key_env = policy.get("api_key_env") or ""
+        # A key only goes to the endpoint staff declared it for, whatever the game row says.
+        ApiKey.check_use(base_url=policy.get("base_url"), env_var=api_key_env)
         # One quick retry: a person is waiting, and can ask again from the page.
         return load_policy(
-            model,
-            base_url=policy.get("base_url"),
-            api_key_env=policy.get("api_key_env") or "OPENAI_API_KEY",
-            max_retries=1,
+            model, base_url=policy.get("base_url"), api_key_env=api_key_env, max_retries=1
         )
     if policy.get("kind") not in LOCAL_KINDS:
         return load_policy(model, env=load_environment(services.PLAY_ENV))

@@ -21,14 +21,21 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.jobs.live import notify_job
-from webapp.jobs.models import Checkpoint, Job, LogLine, Metric, ModelEntry, Rollout
+from webapp.jobs.models import (
+    Checkpoint,
+    Job,
+    LogLine,
+    Metric,
+    ModelEntry,
+    Rollout,
+    checkpoint_model_name,
+)
 
 if TYPE_CHECKING:
     from rlcore.types import Rollout as CoreRollout
@@ -110,6 +117,7 @@ class DatabaseSink:
     ):
         self.job_id = job.pk
         self.owner_id = job.owner_id
+        self.attempt = job.attempt
         self.quiet_seconds = quiet_seconds
         self.max_delay_seconds = max_delay_seconds
         self.cancel_poll_seconds = cancel_poll_seconds
@@ -303,12 +311,12 @@ class DatabaseSink:
 
     def _record_checkpoint(self, step: int, path: str) -> dict:
         checkpoint, created = Checkpoint.objects.get_or_create(
-            job_id=self.job_id, path=path, defaults={"step": step}
+            job_id=self.job_id, path=path, defaults={"step": step, "attempt": self.attempt}
         )
         if created:
             ModelEntry.objects.create(
                 owner_id=self.owner_id,
-                name=f"job-{self.job_id}/{Path(path).name}",
+                name=checkpoint_model_name(self.job_id, self.attempt, path),
                 kind=ModelEntry.Kind.CHECKPOINT,
                 location=path,
                 checkpoint=checkpoint,

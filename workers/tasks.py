@@ -24,13 +24,13 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from webapp.jobs.live import notify_job
-from webapp.jobs.models import Checkpoint, Job, LogLine, ModelEntry
+from webapp.jobs.models import ApiKey, Checkpoint, Job, LogLine, ModelEntry, checkpoint_model_name
 from workers.celery import app
 from workers.sink import DatabaseSink, text_safe
 
 logger = get_task_logger(__name__)
 
-TERMINAL = (Job.Status.SUCCEEDED, Job.Status.FAILED, Job.Status.CANCELLED)
+TERMINAL = Job.TERMINAL
 
 
 def _status_message(job: Job, **extra) -> dict:
@@ -110,6 +110,8 @@ def _claim(job_id: int, hostname: str) -> Job | None:
 def execute(job: Job, sink: DatabaseSink) -> tuple[dict | None, dict]:
     """Run the job's config with rlcore; returns (summary, result)."""
     config = dict(job.config)
+    # Whatever the stored config says, a key only goes where staff declared it may.
+    ApiKey.check_use(base_url=config.get("base_url"), env_var=config.get("api_key_env"))
     if job.kind == Job.Kind.EVAL:
         from rlcore.evaluate import EvalConfig, format_summary, run_eval
 
@@ -146,10 +148,12 @@ def _record_final_checkpoint(job: Job, result: dict, last_step: int | None) -> N
     path = result.get("checkpoint")
     if not path or Checkpoint.objects.filter(job=job, path=path).exists():
         return
-    checkpoint = Checkpoint.objects.create(job=job, step=last_step or 0, path=path)
+    checkpoint = Checkpoint.objects.create(
+        job=job, step=last_step or 0, path=path, attempt=job.attempt
+    )
     ModelEntry.objects.create(
         owner=job.owner,
-        name=f"job-{job.pk}/final",
+        name=checkpoint_model_name(job.pk, job.attempt, path),
         kind=ModelEntry.Kind.CHECKPOINT,
         location=path,
         checkpoint=checkpoint,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import math
 import textwrap
 import tomllib
 import types
@@ -32,7 +33,70 @@ TRAIN_SCOPES = ("reply", "decision")
 
 
 class ConfigError(ValueError):
-    """A config key or value that cannot be used; the message says what would be accepted."""
+    """A config key or value that cannot be used; the message says what would be accepted.
+    `errors` maps each bad key to its message where the key is known (for forms and APIs
+    that put a message under its field)."""
+
+    def __init__(self, message: str, errors: dict[str, str] | None = None):
+        super().__init__(message)
+        self.errors = errors or {}
+
+
+# The range of every number a config takes, inclusive, by field name (a name means the
+# same thing in every config class). `load_config` checks them for any config class, the
+# web form's number fields take their min and max from here, and a test makes sure no
+# numeric field is left out: a bound that lives in one place cannot drift between the
+# form, the JSON API and the CLI.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "num_examples": (1, 10_000_000),
+    "rollouts_per_example": (1, 4096),
+    "max_tokens": (1, 131_072),
+    "temperature": (0.0, 10.0),
+    "top_p": (0.0, 1.0),
+    "concurrency": (1, 65_536),
+    "seed": (0, 2**32 - 1),
+    "max_kept": (1, 10_000_000),
+    "min_reward": (-1e6, 1e6),
+    "max_invalid_moves": (0, 1_000_000),
+    "epochs": (1, 100_000),
+    "max_steps": (1, 10_000_000),
+    "batch_size": (1, 1_048_576),
+    "micro_batch_size": (1, 1_048_576),
+    "lr": (0.0, 10.0),
+    "warmup_steps": (0, 10_000_000),
+    "min_lr_ratio": (0.0, 1.0),
+    "weight_decay": (0.0, 10.0),
+    "adam_eps": (0.0, 1.0),
+    "max_grad_norm": (0.0, 1e6),
+    "max_seq_len": (1, 1_048_576),
+    "save_every": (0, 10_000_000),
+    "turn_reward_weight": (0.0, 1000.0),
+    "negative_advantage_scale": (0.0, 1.0),
+    "unlikelihood_below": (0.0, 1.0),
+    "unlikelihood_ref_entropy": (0.0, 100.0),
+    "clip_eps_low": (0.0, 1.0),
+    "clip_eps_high": (0.0, 100.0),
+    "beta": (0.0, 100.0),
+    "curriculum_steps": (0, 10_000_000),
+    "entropy_coef": (0.0, 100.0),
+    "decision_samples": (0, 1024),
+    "decision_weight": (0.0, 1000.0),
+    "decision_temperature": (0.0, 100.0),
+    "num_iterations": (1, 1000),
+    "log_rollouts": (0, 1_048_576),
+}
+
+
+def bounds_error(name: str, value: Any) -> str | None:
+    """What is wrong with `value` for field `name` by BOUNDS, or None."""
+    if name not in BOUNDS or value is None or isinstance(value, bool):
+        return None
+    low, high = BOUNDS[name]
+    if value != value or value < low:  # NaN compares false with everything
+        return f"{name} must be at least {low}, got {value!r}"
+    if value > high:
+        return f"{name} must be at most {high}, got {value!r}"
+    return None
 
 
 @dataclass
@@ -485,12 +549,22 @@ def load_config(
         raise ConfigError(
             f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))} "
             f"(from {', '.join(sorted({sources.get(k, '?') for k in unknown}))}); "
-            f"valid keys: {', '.join(valid)}"
+            f"valid keys: {', '.join(valid)}",
+            {key: f"unknown key {key!r}; valid keys: {', '.join(valid)}" for key in unknown},
         )
-    kwargs = {
-        key: _coerce(value, hints[key], f"{cls.__name__}.{key} (from {sources.get(key, '?')})")
-        for key, value in values.items()
-    }
+    kwargs, errors = {}, {}
+    for key, value in values.items():
+        try:
+            kwargs[key] = _coerce(
+                value, hints[key], f"{cls.__name__}.{key} (from {sources.get(key, '?')})"
+            )
+        except ConfigError as exc:
+            errors[key] = str(exc)
+            continue
+        if error := bounds_error(key, kwargs[key]):
+            errors[key] = f"{error} (from {sources.get(key, '?')})"
+    if errors:
+        raise ConfigError(f"{cls.__name__}: " + "; ".join(errors.values()), errors)
     try:
         cfg = cls(**kwargs)
     except TypeError as exc:  # a required field (EvalConfig's env, model) was not given
@@ -529,11 +603,13 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
             return int(value)
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if annotation is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: expected a finite number, got {value!r}")
             return float(value)
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if annotation is str:
@@ -591,6 +667,8 @@ def config_schema(cls: type) -> list[dict]:
                 "type": _type_name(hints[f.name]),
                 "default": default,
                 "help": docs.get(f.name, ""),
+                "min": BOUNDS.get(f.name, (None, None))[0],
+                "max": BOUNDS.get(f.name, (None, None))[1],
             }
         )
     return rows

@@ -7,7 +7,7 @@ from django.db import connection
 
 from webapp.jobs import services
 from webapp.jobs.forms import EnvConfigForm, JobForm
-from webapp.jobs.models import EnvironmentConfig, Job, ModelEntry
+from webapp.jobs.models import ApiKey, EnvironmentConfig, Job, ModelEntry
 
 pytestmark = pytest.mark.django_db
 
@@ -54,7 +54,7 @@ def test_env_config_save_fills_defaults_and_rejects_unknown_params(alice):
 def test_a_model_path_outside_model_roots_is_rejected(alice, tmp_path):
     with pytest.raises(ValidationError) as caught:
         services.model_create(owner=alice, name="etc", kind="checkpoint", location="/etc")
-    assert "outside the directories" in caught.value.message_dict["location"][0]
+    assert "is not one you may use" in caught.value.message_dict["location"][0]
     assert not ModelEntry.objects.filter(name="etc").exists()
 
 
@@ -66,8 +66,9 @@ def test_a_symlink_out_of_model_roots_is_rejected(alice, settings, real_services
     assert "location" in caught.value.message_dict
 
 
-def test_a_checkpoint_dir_under_model_roots_is_accepted(alice, real_services):
-    directory = real_services / "job-1" / "final"
+def test_a_checkpoint_dir_of_ones_own_job_is_accepted(alice, real_services):
+    job = Job.objects.create(owner=alice, kind="sft", status="succeeded")
+    directory = real_services / f"job-{job.pk}" / "final"
     directory.mkdir(parents=True)
     entry = services.model_create(
         owner=alice, name="ok", kind="checkpoint", location=str(directory)
@@ -90,38 +91,44 @@ def test_hub_ids_and_endpoint_fields_are_checked(alice):
 
 def test_a_pasted_api_key_is_refused_and_never_stored_or_shown(alice_client):
     secret = "sk-live-0123456789abcdef"
-    response = alice_client.post(
+    for field in ("api_key", "location", "base_url"):
+        data = {"name": "gpt", "kind": "openai", "location": "gpt-4o-mini",
+                "base_url": "https://api.example.com/v1"}  # fmt: skip
+        data[field] = secret
+        response = alice_client.post("/models/", data)
+        assert response.status_code == 200
+        assert secret not in response.content.decode()
+        assert "looks like an API key" in response.content.decode()
+        assert not ModelEntry.objects.filter(name="gpt").exists()
+
+
+def test_an_endpoint_picks_a_declared_key_by_name_and_only_for_its_url(alice_client):
+    ApiKey.objects.create(name="example", env_var="MY_ENDPOINT_KEY",
+                          base_url="https://api.example.com/v1")  # fmt: skip
+    other_url = alice_client.post(
         "/models/",
         {"name": "gpt", "kind": "openai", "location": "gpt-4o-mini",
-         "base_url": "https://api.example.com/v1", "api_key_env": secret},
+         "base_url": "http://127.0.0.1:8099/v1", "api_key": "example"},
     )  # fmt: skip
-    assert response.status_code == 200
-    assert secret not in response.content.decode()
-    assert "NAME of the environment variable" in response.content.decode()
-    assert not ModelEntry.objects.filter(name="gpt").exists()
-
-
-def test_only_the_api_key_variable_name_is_stored(alice_client, monkeypatch):
-    monkeypatch.setenv("MY_ENDPOINT_KEY", "sk-secret-value-42")
+    assert other_url.status_code == 200
+    assert "may only be sent to https://api.example.com/v1" in other_url.content.decode()
     response = alice_client.post(
         "/models/",
         {"name": "gpt", "kind": "openai", "location": "gpt-4o-mini",
-         "base_url": "https://api.example.com/v1", "api_key_env": "MY_ENDPOINT_KEY"},
+         "base_url": "https://api.example.com/v1/", "api_key": "example"},
     )  # fmt: skip
     assert response.status_code == 302
     entry = ModelEntry.objects.get(name="gpt")
-    assert entry.api_key_env == "MY_ENDPOINT_KEY"
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM jobs_modelentry WHERE row_to_json(jobs_modelentry)::text LIKE %s",
-            ["%sk-secret%"],
-        )
-        assert cursor.fetchone()[0] == 0
     assert entry.policy_args() == {
         "model": "gpt-4o-mini",
-        "base_url": "https://api.example.com/v1",
+        "base_url": "https://api.example.com/v1/",
         "api_key_env": "MY_ENDPOINT_KEY",
     }
+    keyless = services.model_create(
+        owner=entry.owner, name="local", kind="openai", location="m",
+        base_url="http://127.0.0.1:8000/v1",
+    )  # fmt: skip
+    assert keyless.policy_args()["api_key_env"] == ""
 
 
 def test_job_form_defaults_come_from_the_kind(alice):

@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 
 from webapp.jobs import services
 from webapp.jobs.models import (
+    ApiKey,
     Checkpoint,
     EnvironmentConfig,
     Job,
@@ -71,9 +72,18 @@ class CheckpointAdmin(admin.ModelAdmin):
     raw_id_fields = ("job",)
 
 
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    """Staff declare here which worker environment variables hold API keys, and the one
+    endpoint each key may be sent to; users then pick a key by name."""
+
+    list_display = ("name", "env_var", "base_url", "description", "created")
+    search_fields = ("name", "env_var", "base_url")
+
+
 @admin.register(ModelEntry)
 class ModelEntryAdmin(admin.ModelAdmin):
-    list_display = ("name", "kind", "location", "base_url", "api_key_env", "owner", "created")
+    list_display = ("name", "kind", "location", "base_url", "api_key", "owner", "created")
     list_filter = ("kind", "owner")
     search_fields = ("name", "location")
     raw_id_fields = ("checkpoint",)

@@ -23,14 +23,9 @@ from webapp.jobs import selectors, services
 from webapp.jobs.forms import RolloutFilterForm
 from webapp.jobs.models import Job
 from webapp.jobs.services import CONFIG_CLASSES
+from webapp.jobs.validation import errors_response, json_body, validation_response
 
 MAX_PAGE_SIZE = 500
-
-
-def _errors(errors: dict, status: int = 400) -> JsonResponse:
-    return JsonResponse(
-        {"errors": {k: v if isinstance(v, list) else [v] for k, v in errors.items()}}, status=status
-    )
 
 
 def api_view(view):
@@ -64,12 +59,6 @@ def _int_param(request, name: str, *, default=None, minimum=None, maximum=None):
     return value
 
 
-def _validation_response(exc: ValidationError) -> JsonResponse:
-    if hasattr(exc, "error_dict"):
-        return _errors(exc.message_dict)
-    return _errors({"__all__": exc.messages})
-
-
 @require_http_methods(["GET", "POST"])
 @api_view
 def jobs(request):
@@ -79,21 +68,21 @@ def jobs(request):
     status = request.GET.get("status")
     if status:
         if status not in Job.Status.values:
-            return _errors(
+            return errors_response(
                 {"status": f"unknown status {status!r}; accepted: {', '.join(Job.Status.values)}"}
             )
         rows = rows.filter(status=status)
     kind = request.GET.get("kind")
     if kind:
         if kind not in Job.Kind.values:
-            return _errors(
+            return errors_response(
                 {"kind": f"unknown kind {kind!r}; accepted: {', '.join(Job.Kind.values)}"}
             )
         rows = rows.filter(kind=kind)
     try:
         limit = _int_param(request, "limit", default=100, minimum=1, maximum=1000)
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     return JsonResponse({"jobs": [job.to_dict() for job in rows[:limit]]})
 
 
@@ -106,11 +95,9 @@ def _own(request, selector, raw_id):
 
 def _job_create(request) -> JsonResponse:
     try:
-        body = json.loads(request.body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return _errors({"body": f"not valid JSON: {exc}"})
-    if not isinstance(body, dict):
-        return _errors({"body": "expected a JSON object"})
+        body = json_body(request)
+    except ValidationError as exc:
+        return validation_response(exc)
     errors = {}
     kind = body.get("kind")
     if kind not in CONFIG_CLASSES:
@@ -132,7 +119,7 @@ def _job_create(request) -> JsonResponse:
     if not isinstance(overrides, str):
         errors["overrides"] = "expected key=value lines as one string"
     if errors:
-        return _errors(errors)
+        return errors_response(errors)
     try:
         job = services.job_create(
             owner=request.user,
@@ -143,9 +130,9 @@ def _job_create(request) -> JsonResponse:
             overrides=overrides,
         )
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     except ParamError as exc:
-        return _errors({"env_config": str(exc)})
+        return errors_response({"env_config": str(exc)})
     return JsonResponse(job.to_dict(), status=201)
 
 
@@ -163,7 +150,7 @@ def job_cancel(request, pk: int):
     try:
         job = services.job_cancel(job=job)
     except ValidationError as exc:
-        return _errors({"status": exc.messages})
+        return errors_response({"status": exc.messages})
     return JsonResponse(job.to_dict())
 
 
@@ -183,7 +170,7 @@ def job_metrics(request, pk: int):
             request, "max_points", default=selectors.DEFAULT_MAX_POINTS, minimum=2, maximum=100000
         )
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     names = [n for n in request.GET.get("names", "").split(",") if n]
     version = selectors.metric_series_version(job, since=since, names=names, max_points=max_points)
     etag = f'"{version}"'
@@ -208,19 +195,19 @@ def job_rollouts(request, pk: int):
     job = selectors.job_for_user(request.user, pk)
     form = RolloutFilterForm(request.GET)
     if not form.is_valid():
-        return _errors(
+        return errors_response(
             {k: [e["message"] for e in v] for k, v in form.errors.get_json_data().items()}
         )
     try:
         page_number = _int_param(request, "page", default=1, minimum=1)
         page_size = _int_param(request, "page_size", default=50, minimum=1, maximum=MAX_PAGE_SIZE)
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     paginator = Paginator(selectors.rollouts_filtered(job, form.filters()), page_size)
     try:
         page = paginator.page(page_number)
     except EmptyPage:
-        return _errors(
+        return errors_response(
             {"page": f"page {page_number} is past the last page ({paginator.num_pages})"}
         )
     full = request.GET.get("full") in ("1", "true")
@@ -249,7 +236,7 @@ def job_logs(request, pk: int):
     try:
         after = _int_param(request, "after")
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     return JsonResponse(
         {"job": job.pk, "logs": [line.to_dict() for line in selectors.logs_after(job, after=after)]}
     )
@@ -265,7 +252,7 @@ def job_updates(request, pk: int):
         since = _int_param(request, "since")
         log_after = _int_param(request, "log_after")
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     return JsonResponse(
         {
             "job": services.job_status_payload(job),

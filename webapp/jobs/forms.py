@@ -12,9 +12,10 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from rlcore.envs import ParamError, get_env_class
-from rlcore.train.config import ADVANTAGES, LOSS_AGGREGATIONS, LOSS_TYPES
+from rlcore.train.config import ADVANTAGES, BOUNDS, LOSS_AGGREGATIONS, LOSS_TYPES
 from webapp.jobs import services
-from webapp.jobs.models import EnvironmentConfig, ModelEntry
+from webapp.jobs.models import ApiKey, EnvironmentConfig, ModelEntry
+from webapp.jobs.validation import looks_like_secret
 
 PARAM_PREFIX = "param_"
 DEVICES = [
@@ -112,8 +113,8 @@ class EnvConfigForm(ServiceErrorsMixin, forms.Form):
 
 
 class ModelEntryForm(ServiceErrorsMixin, forms.Form):
-    """Register a model. For an endpoint, the API key stays in the workers' environment:
-    only the variable's name is asked for, and stored."""
+    """Register a model. For an endpoint, an API key is picked by name among those staff
+    declared (each bound to one base URL); no key is ever typed or stored here."""
 
     name = forms.CharField(max_length=200)
     kind = forms.ChoiceField(
@@ -132,12 +133,12 @@ class ModelEntryForm(ServiceErrorsMixin, forms.Form):
         label="Base URL",
         help_text="Endpoints only, e.g. http://127.0.0.1:8000/v1",
     )
-    api_key_env = forms.CharField(
-        max_length=100,
+    api_key = forms.ChoiceField(
         required=False,
-        label="API key environment variable",
-        help_text="Endpoints only: the NAME of the variable holding the key on the workers "
-        "(e.g. OPENAI_API_KEY). The key itself is never stored.",
+        label="API key",
+        help_text="Endpoints only: a key staff declared for this base URL (admin, API keys). "
+        "Keys are never typed here.",
+        error_messages={"invalid_choice": "pick one of the declared keys, or none"},
     )
     temperature = forms.FloatField(
         required=False,
@@ -153,6 +154,12 @@ class ModelEntryForm(ServiceErrorsMixin, forms.Form):
     )
     max_tokens = forms.IntegerField(required=False, min_value=1, max_value=32768)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["api_key"].choices = [("", "none")] + [
+            (key.name, f"{key.name} ({key.base_url})") for key in ApiKey.objects.all()
+        ]
+
     def generation(self) -> dict:
         return {
             key: self.cleaned_data[key]
@@ -160,20 +167,36 @@ class ModelEntryForm(ServiceErrorsMixin, forms.Form):
             if self.cleaned_data.get(key) is not None
         }
 
-    def add_service_error(self, error: ValidationError) -> None:
-        super().add_service_error(error)
-        if "api_key_env" in self.errors:
-            # Whatever was typed there may be a key: do not send it back in the page.
+    def full_clean(self):
+        # A pasted key is refused and never sent back in the page: its field is blanked
+        # before anything renders the form again.
+        pasted = [
+            name
+            for name, value in self.data.items()
+            if isinstance(value, str) and looks_like_secret(value)
+        ]
+        if pasted:
             self.data = self.data.copy()
-            self.data["api_key_env"] = ""
+            for name in pasted:
+                self.data[name] = ""
+        super().full_clean()
+        for name in pasted:
+            self.add_error(
+                name if name in self.fields else None,
+                "this looks like an API key or token; keys are never entered here (staff "
+                "declare them on the workers; pick a declared key by name)",
+            )
 
 
-def _number(label: str, *, minimum=None, maximum=None, required=True, integer=True, help_text=""):
+def _number(label: str, *, name: str, required=True, integer=True, help_text=""):
+    """A number field for config setting `name`, bounded as rlcore's config.BOUNDS says
+    (the one place a setting's range is kept: the JSON API checks the same)."""
+    minimum, maximum = BOUNDS[name]
     if integer:
         return forms.IntegerField(
             label=label,
-            min_value=minimum,
-            max_value=maximum,
+            min_value=int(minimum),
+            max_value=int(maximum),
             required=required,
             help_text=help_text,
         )
@@ -189,53 +212,63 @@ def _number(label: str, *, minimum=None, maximum=None, required=True, integer=Tr
 
 KIND_FIELDS = {
     "eval": {
-        "num_examples": lambda: _number("examples", minimum=1, maximum=100000),
-        "rollouts_per_example": lambda: _number("rollouts per example", minimum=1, maximum=256),
-        "max_tokens": lambda: _number("max tokens per reply", minimum=1, maximum=32768),
-        "temperature": lambda: _number("temperature", minimum=0.0, maximum=5.0, integer=False),
-        "concurrency": lambda: _number("concurrency", minimum=1, maximum=4096),
+        "num_examples": lambda: _number("examples", name="num_examples"),
+        "rollouts_per_example": lambda: _number(
+            "rollouts per example", name="rollouts_per_example"
+        ),
+        "max_tokens": lambda: _number("max tokens per reply", name="max_tokens"),
+        "temperature": lambda: _number("temperature", name="temperature", integer=False),
+        "concurrency": lambda: _number("concurrency", name="concurrency"),
         "baselines": lambda: forms.BooleanField(
             required=False, label="baselines", help_text="Also play random, oracle and constant."
         ),
     },
     "synth": {
-        "num_examples": lambda: _number("examples", minimum=1, maximum=1000000),
-        "rollouts_per_example": lambda: _number("rollouts per example", minimum=1, maximum=256),
-        "max_kept": lambda: _number("stop after keeping", minimum=1, required=False),
-        "temperature": lambda: _number("temperature", minimum=0.0, maximum=5.0, integer=False),
-        "max_tokens": lambda: _number("max tokens per reply", minimum=1, maximum=32768),
+        "num_examples": lambda: _number("examples", name="num_examples"),
+        "rollouts_per_example": lambda: _number(
+            "rollouts per example", name="rollouts_per_example"
+        ),
+        "max_kept": lambda: _number("stop after keeping", name="max_kept", required=False),
+        "temperature": lambda: _number("temperature", name="temperature", integer=False),
+        "max_tokens": lambda: _number("max tokens per reply", name="max_tokens"),
         "exclude_outcomes": lambda: forms.CharField(
             required=False,
             label="drop outcomes",
             help_text="Comma-separated outcome labels to drop, e.g. loss, unfinished.",
         ),
-        "min_reward": lambda: _number("min reward", required=False, integer=False),
+        "min_reward": lambda: _number(
+            "min reward", name="min_reward", required=False, integer=False
+        ),
         "require_format": lambda: forms.BooleanField(
             required=False, label="require format", help_text="Keep only well-formatted games."
         ),
-        "max_invalid_moves": lambda: _number("max invalid moves", minimum=0, required=False),
+        "max_invalid_moves": lambda: _number(
+            "max invalid moves", name="max_invalid_moves", required=False
+        ),
     },
     "sft": {
         "dataset": lambda: forms.CharField(
             max_length=500,
             help_text="JSONL written by a synth job (pick one above) or a file under MODEL_ROOTS.",
         ),
-        "epochs": lambda: _number("epochs", minimum=1, maximum=1000),
+        "epochs": lambda: _number("epochs", name="epochs"),
         "max_steps": lambda: _number(
-            "steps", minimum=1, required=False, help_text="Overrides epochs."
+            "steps", name="max_steps", required=False, help_text="Overrides epochs."
         ),
-        "lr": lambda: _number("learning rate", minimum=1e-9, maximum=1.0, integer=False),
-        "batch_size": lambda: _number("batch size", minimum=1, maximum=4096),
-        "micro_batch_size": lambda: _number("micro-batch size", minimum=1, maximum=4096),
-        "max_seq_len": lambda: _number("max sequence length", minimum=16, maximum=131072),
+        "lr": lambda: _number("learning rate", name="lr", integer=False),
+        "batch_size": lambda: _number("batch size", name="batch_size"),
+        "micro_batch_size": lambda: _number("micro-batch size", name="micro_batch_size"),
+        "max_seq_len": lambda: _number("max sequence length", name="max_seq_len"),
         "save_every": lambda: _number(
-            "checkpoint every (steps)", minimum=0, help_text="0: only the final one."
+            "checkpoint every (steps)", name="save_every", help_text="0: only the final one."
         ),
     },
     "rl": {
-        "max_steps": lambda: _number("steps", minimum=1, maximum=1000000),
-        "batch_size": lambda: _number("batch size (rollouts per step)", minimum=1, maximum=65536),
-        "rollouts_per_example": lambda: _number("rollouts per example", minimum=1, maximum=1024),
+        "max_steps": lambda: _number("steps", name="max_steps"),
+        "batch_size": lambda: _number("batch size (rollouts per step)", name="batch_size"),
+        "rollouts_per_example": lambda: _number(
+            "rollouts per example", name="rollouts_per_example"
+        ),
         "loss_type": lambda: forms.ChoiceField(choices=[(t, t) for t in LOSS_TYPES], label="loss"),
         "loss_aggregation": lambda: forms.ChoiceField(
             choices=[(a, a) for a in LOSS_AGGREGATIONS],
@@ -250,14 +283,14 @@ KIND_FIELDS = {
             help_text="group: a rollout's reward minus its group's mean (GRPO); tree: per "
             "move, against the other moves the group tried in the same position.",
         ),
-        "lr": lambda: _number("learning rate", minimum=1e-9, maximum=1.0, integer=False),
-        "temperature": lambda: _number("temperature", minimum=0.01, maximum=5.0, integer=False),
-        "max_tokens": lambda: _number("max tokens per reply", minimum=1, maximum=32768),
+        "lr": lambda: _number("learning rate", name="lr", integer=False),
+        "temperature": lambda: _number("temperature", name="temperature", integer=False),
+        "max_tokens": lambda: _number("max tokens per reply", name="max_tokens"),
         "save_every": lambda: _number(
-            "checkpoint every (steps)", minimum=0, help_text="0: only the final one."
+            "checkpoint every (steps)", name="save_every", help_text="0: only the final one."
         ),
         "beta": lambda: _number(
-            "KL beta", minimum=0.0, maximum=100.0, integer=False, help_text="0: no reference model."
+            "KL beta", name="beta", integer=False, help_text="0: no reference model."
         ),
     },
 }
@@ -271,7 +304,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
     )
     model = forms.ModelChoiceField(queryset=ModelEntry.objects.none())
     device = forms.ChoiceField(choices=DEVICES, initial="auto")
-    seed = forms.IntegerField(initial=0, min_value=0)
+    seed = forms.IntegerField(initial=0, min_value=BOUNDS["seed"][0], max_value=BOUNDS["seed"][1])
     overrides = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 3}),
@@ -311,14 +344,6 @@ class JobForm(ServiceErrorsMixin, forms.Form):
     def clean_exclude_outcomes(self):
         text = self.cleaned_data.get("exclude_outcomes") or ""
         return [part.strip() for part in text.split(",") if part.strip()]
-
-    def clean_dataset(self):
-        try:
-            return services.path_confine(
-                location=self.cleaned_data["dataset"], what="dataset", is_file=True
-            )
-        except ValidationError as exc:
-            raise ValidationError(exc.messages) from None
 
     def options(self) -> dict:
         """The kind's settings and the common ones, as rlcore config keys."""

@@ -9,6 +9,8 @@ ran, its compact JSON form) lives here on the model.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.conf import settings
 from django.db import models
 from django.urls import reverse
@@ -38,12 +40,57 @@ class EnvironmentConfig(models.Model):
         return reverse("jobs:env_config_edit", args=[self.pk])
 
 
+class ApiKey(models.Model):
+    """An API key staff declared for one endpoint: the key's value lives in environment
+    variable `env_var` on the workers, and is only ever sent to `base_url`.
+
+    Users pick a key by name when they register an endpoint model; they can never name an
+    environment variable themselves, so no request can make a worker send a server secret
+    (SECRET_KEY, REDIS_URL, a cloud token) anywhere.
+    """
+
+    name = models.CharField(max_length=100, unique=True)
+    env_var = models.CharField(
+        max_length=100, help_text="The environment variable holding the key on the workers."
+    )
+    base_url = models.CharField(
+        max_length=500,
+        help_text="The only endpoint the key is sent to, e.g. https://api.openai.com/v1",
+    )
+    description = models.CharField(max_length=200, blank=True)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.base_url})"
+
+    def serves(self, base_url: str) -> bool:
+        """Whether `base_url` is the endpoint this key was declared for."""
+        return self.base_url.strip().rstrip("/") == (base_url or "").strip().rstrip("/")
+
+    @classmethod
+    def check_use(cls, *, base_url: str | None, env_var: str | None) -> None:
+        """PermissionError unless the key in `env_var` may be sent to `base_url`: no
+        endpoint, no key, or a key staff declared for exactly that endpoint. Workers call
+        this before any request leaves, whatever a stored config or game says."""
+        if not base_url or not env_var:
+            return
+        if not any(key.serves(base_url) for key in cls.objects.filter(env_var=env_var)):
+            raise PermissionError(
+                f"refusing to send the key in ${env_var} to {base_url}: no API key declared "
+                "by staff pairs that variable with that endpoint"
+            )
+
+
 class ModelEntry(models.Model):
     """A policy a job can use: the tiny model, a checkpoint directory, a hub id, an
     OpenAI-compatible endpoint, or an environment's built-in player.
 
-    For endpoints only the NAME of the environment variable that holds the API key is
-    stored; the key itself never enters the database.
+    An endpoint may use one of the API keys staff declared (ApiKey), and only with the
+    base URL that key was declared for; the key itself never enters the database.
     """
 
     class Kind(models.TextChoices):
@@ -59,7 +106,9 @@ class ModelEntry(models.Model):
         max_length=500, help_text="Directory, hub id, served model name or player name."
     )
     base_url = models.CharField(max_length=500, blank=True)
-    api_key_env = models.CharField(max_length=100, blank=True)
+    api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="models"
+    )
     generation = models.JSONField(default=dict, blank=True)
     checkpoint = models.OneToOneField(
         "Checkpoint", null=True, blank=True, on_delete=models.CASCADE, related_name="model_entry"
@@ -80,7 +129,8 @@ class ModelEntry(models.Model):
         args: dict = {"model": "tiny" if self.kind == self.Kind.TINY else self.location}
         if self.kind == self.Kind.OPENAI:
             args["base_url"] = self.base_url
-            args["api_key_env"] = self.api_key_env or "OPENAI_API_KEY"
+            # No declared key: none is sent (the client sends the placeholder "EMPTY").
+            args["api_key_env"] = self.api_key.env_var if self.api_key else ""
         return args
 
     @property
@@ -104,8 +154,10 @@ class Job(models.Model):
         SUCCEEDED = "succeeded", "succeeded"
         FAILED = "failed", "failed"
         CANCELLED = "cancelled", "cancelled"
+        LOST = "lost", "lost"
 
     ACTIVE = (Status.QUEUED, Status.RUNNING)
+    TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED, Status.LOST)
 
     kind = models.CharField(max_length=10, choices=Kind.choices)
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED)
@@ -130,6 +182,9 @@ class Job(models.Model):
     summary = models.JSONField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     cancel_requested = models.BooleanField(default=False)
+    attempt = models.IntegerField(
+        default=1, help_text="1 for the first run; each requeue starts the next attempt."
+    )
     last_step = models.IntegerField(null=True, blank=True)
     created = models.DateTimeField(default=timezone.now)
     started = models.DateTimeField(null=True, blank=True)
@@ -150,6 +205,10 @@ class Job(models.Model):
         env = self.config.get("env") or (self.env_config.env_name if self.env_config else "")
         model = self.model.name if self.model else self.config.get("model", "")
         return " · ".join(part for part in (env, model) if part)
+
+    def current_checkpoints(self):
+        """The checkpoints of this attempt (a requeued job's earlier ones stay archived)."""
+        return self.checkpoints.filter(attempt=self.attempt)
 
     @property
     def group_name(self) -> str:
@@ -225,10 +284,18 @@ class Job(models.Model):
         }
 
 
+def checkpoint_model_name(job_id: int, attempt: int, path: str) -> str:
+    """The model entry name of a job's checkpoint: job-4/final, job-4.2/step_000010 for
+    the second attempt."""
+    prefix = f"job-{job_id}" if attempt == 1 else f"job-{job_id}.{attempt}"
+    return f"{prefix}/{Path(path).name}"
+
+
 class Checkpoint(models.Model):
     """A model saved by a training job; a ModelEntry of kind checkpoint points at it."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    attempt = models.IntegerField(default=1, help_text="The job attempt that wrote it.")
     step = models.IntegerField()
     path = models.CharField(max_length=500)
     created = models.DateTimeField(default=timezone.now)

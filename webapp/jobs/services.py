@@ -34,6 +34,7 @@ from rlcore.train.config import (
 )
 from webapp.jobs.live import notify_job
 from webapp.jobs.models import (
+    ApiKey,
     Checkpoint,
     EnvironmentConfig,
     Job,
@@ -42,12 +43,12 @@ from webapp.jobs.models import (
     ModelEntry,
     Rollout,
 )
+from webapp.jobs.validation import json_loads, json_value, refuse_secret
 
 RECIPE_DIR = settings.BASE_DIR / "recipes" / "tictactoe_tiny"
 CONFIG_CLASSES = {"eval": EvalConfig, "synth": SynthConfig, "sft": SFTConfig, "rl": RLConfig}
 # The config key each kind writes its outputs under.
 OUTPUT_KEYS = {"eval": "out_dir", "synth": "output_dir", "sft": "output_dir", "rl": "output_dir"}
-ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 BUILTIN_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -106,31 +107,58 @@ def env_examples_preview(
 # Models
 
 
-def _allowed_roots() -> list[Path]:
-    return [Path(root).expanduser().resolve() for root in settings.MODEL_ROOTS]
+def shared_roots() -> list[Path]:
+    """The configured directories (MODEL_ROOTS) every user may read models and data from,
+    less the runs directory, whose job folders belong each to its job's owner."""
+    runs = Path(settings.RUNS_DIR).expanduser().resolve()
+    roots = [Path(root).expanduser().resolve() for root in settings.MODEL_ROOTS]
+    return [root for root in roots if root != runs]
 
 
-def path_confine(*, location: str, what: str = "model directory", is_file: bool = False) -> str:
-    """`location` resolved (symlinks followed), if it lies under one of MODEL_ROOTS.
+def _own_run_dirs(owner) -> list[Path]:
+    runs = Path(settings.RUNS_DIR).expanduser().resolve()
+    return [
+        runs / f"job-{pk}" for pk in Job.objects.filter(owner=owner).values_list("pk", flat=True)
+    ]
 
-    Jobs run on workers with the lab's permissions; confining paths keeps a form from
-    pointing a job at arbitrary files on the server.
+
+MAX_PATH_CHARS = 1024
+
+
+def path_confine(
+    *, location: str, owner, what: str = "model directory", is_file: bool = False
+) -> str:
+    """`location` resolved (symlinks followed) if `owner` may use it: under the folder of
+    one of their own jobs (RUNS_DIR/job-N) or under a shared root (MODEL_ROOTS). The one
+    check for every path a user can name: model directories, datasets, resume_from.
+
+    Jobs run on workers with the lab's permissions, so a path elsewhere is refused with
+    the same words whether or not it exists: nothing outside can be probed.
     """
-    path = Path(location).expanduser()
-    if not path.is_absolute():
-        path = settings.BASE_DIR / path
-    resolved = path.resolve()
-    roots = _allowed_roots()
+    outside = ValidationError(
+        f"{what} {location[:200]!r} is not one you may use: paths must lie in the folder "
+        "of one of your own jobs or under a shared model directory "
+        f"({', '.join(str(r) for r in shared_roots()) or 'none configured'})"
+    )
+    if not location or len(location) > MAX_PATH_CHARS or "\x00" in location:
+        raise outside
+    try:
+        path = Path(location).expanduser()
+        if not path.is_absolute():
+            path = settings.BASE_DIR / path
+        resolved = path.resolve()
+    except (OSError, RuntimeError, ValueError):  # a name too long, a symlink loop
+        raise outside from None
+    roots = shared_roots() + _own_run_dirs(owner)
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
-        raise ValidationError(
-            f"{location!r} is outside the directories models and data may come from "
-            f"({', '.join(str(r) for r in roots)}); move it under one of them or add its "
-            "directory to MODEL_ROOTS"
-        )
-    if is_file and not resolved.is_file():
-        raise ValidationError(f"{what} {str(resolved)!r} does not exist or is not a file")
-    if not is_file and not resolved.is_dir():
-        raise ValidationError(f"{what} {str(resolved)!r} does not exist or is not a directory")
+        raise outside
+    try:
+        exists = resolved.is_file() if is_file else resolved.is_dir()
+    except (OSError, ValueError):
+        exists = False
+    if not exists:
+        kind = "a file" if is_file else "a directory"
+        raise ValidationError(f"{what} {str(resolved)!r} does not exist or is not {kind}")
     return str(resolved)
 
 
@@ -145,12 +173,23 @@ def model_create(
     kind: str,
     location: str = "",
     base_url: str = "",
-    api_key_env: str = "",
+    api_key: str = "",
     generation: dict | None = None,
 ) -> ModelEntry:
-    """Register a model; ValidationError(field -> why) when a field cannot be used."""
-    location, base_url, api_key_env = location.strip(), base_url.strip(), api_key_env.strip()
+    """Register a model; ValidationError(field -> why) when a field cannot be used.
+
+    An endpoint may use an API key staff declared (ApiKey, by name), and only with the
+    base URL it was declared for: no user can choose where a server secret is sent."""
+    location, base_url, api_key = location.strip(), base_url.strip(), api_key.strip()
     errors: dict[str, str] = {}
+    for field, value in (("name", name), ("location", location), ("base_url", base_url)):
+        try:
+            refuse_secret(value, field=field)
+        except ValidationError as exc:
+            errors |= {k: v[0] for k, v in exc.message_dict.items()}
+    if errors:
+        raise ValidationError(errors)
+    declared_key = None
     if kind not in ModelEntry.Kind.values:
         errors["kind"] = f"unknown kind {kind!r}; accepted: {', '.join(ModelEntry.Kind.values)}"
     elif kind == ModelEntry.Kind.TINY:
@@ -159,7 +198,7 @@ def model_create(
         kind == ModelEntry.Kind.HF and location and _looks_like_path(location)
     ):
         try:
-            location = path_confine(location=location)
+            location = path_confine(location=location, owner=owner)
         except ValidationError as exc:
             errors["location"] = exc.messages[0]
     elif kind == ModelEntry.Kind.HF:
@@ -169,25 +208,32 @@ def model_create(
                 "such as 'Qwen/Qwen2.5-0.5B-Instruct'"
             )
     elif kind == ModelEntry.Kind.OPENAI:
-        if not re.match(r"^https?://\S+$", base_url):
+        if not re.match(r"^https?://\S+$", base_url) or len(base_url) > 500:
             errors["base_url"] = (
                 f"an OpenAI-compatible endpoint needs an http(s) base URL such as "
-                f"http://127.0.0.1:8000/v1, got {base_url!r}"
+                f"http://127.0.0.1:8000/v1, got {base_url[:100]!r}"
             )
         if not location:
             errors["location"] = "the served model's name is required (e.g. gpt-4o-mini)"
-        if api_key_env and not ENV_VAR_NAME.match(api_key_env):
-            # Never echo the value: it may be a pasted key.
-            errors["api_key_env"] = (
-                "give the NAME of the environment variable that holds the key on the "
-                "workers (letters, digits, underscores, e.g. OPENAI_API_KEY), not the key"
-            )
+        if api_key:
+            declared_key = ApiKey.objects.filter(name=api_key).first()
+            if declared_key is None:
+                names = ", ".join(ApiKey.objects.values_list("name", flat=True)) or "none yet"
+                errors["api_key"] = (
+                    "no API key of that name is declared (declared: "
+                    f"{names}); staff declare keys in the admin"
+                )
+            elif not declared_key.serves(base_url):
+                errors["api_key"] = (
+                    f"key {declared_key.name!r} may only be sent to {declared_key.base_url}; "
+                    "use that base URL or pick no key"
+                )
     elif kind == ModelEntry.Kind.BUILTIN and not BUILTIN_NAME.match(location):
         errors["location"] = (
             f"a built-in player is named in lower case (oracle, random, constant), got {location!r}"
         )
     if kind != ModelEntry.Kind.OPENAI:
-        base_url, api_key_env = "", ""
+        base_url, declared_key = "", None
     if errors:
         raise ValidationError(errors)
     entry = ModelEntry(
@@ -196,7 +242,7 @@ def model_create(
         kind=kind,
         location=location,
         base_url=base_url,
-        api_key_env=api_key_env,
+        api_key=declared_key,
         generation=generation or {},
     )
     try:
@@ -267,17 +313,53 @@ def _parse_overrides(text: str) -> dict[str, Any]:
         key, sep, raw = line.partition("=")
         if not sep or not key.strip():
             raise ValidationError(
-                {"overrides": f"line {number}: {line!r} is not of the form key=value"}
+                {"overrides": f"line {number}: {line[:100]!r} is not of the form key=value"}
             )
         try:
-            values[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
+            values[key.strip()] = json_loads(raw, field="overrides")
+        except ValidationError as exc:
+            if raw.strip()[:1] in "[{" or raw.strip()[:1].isdigit() or raw.strip()[:1] == "-":
+                # Meant as JSON (a list, a table, a number) and not valid: say so.
+                message = exc.message_dict["overrides"][0]
+                raise ValidationError({"overrides": f"line {number}: {message}"}) from None
             values[key.strip()] = raw.strip()
+    return values
+
+
+# Settings the lab fixes itself: where a job writes, which model it loads and which key
+# goes to which endpoint come from the job row and the model entry, never from a form.
+LAB_KEYS = ("model", "base_url", "api_key_env", "output_dir", "out_dir")
+# Settings that name a file or directory a job reads: each goes through path_confine.
+PATH_KEYS = {"dataset": ("dataset", True), "resume_from": ("checkpoint directory", False)}
+
+
+def _user_settings(options: dict, overrides: str) -> dict[str, Any]:
+    """The form's settings and the free overrides, checked: JSON a setting can hold,
+    no pasted secrets, none of the settings only the lab may set."""
+    values = {k: v for k, v in options.items() if v is not None and v != ""}
+    values |= _parse_overrides(overrides)
+    errors: dict[str, str] = {}
+    for key, value in values.items():
+        head = key.split(".", 1)[0]
+        field = key if key in options else "overrides"
+        if head in LAB_KEYS:
+            errors[field] = (
+                f"{key} is set by the lab (the model entry and the job decide it), not per job"
+            )
+            continue
+        try:
+            json_value(value, field=field)
+            refuse_secret(f"{key}={json.dumps(value)}", field=field)
+        except ValidationError as exc:
+            errors |= {k: v[0] for k, v in exc.message_dict.items()}
+    if errors:
+        raise ValidationError(errors)
     return values
 
 
 def job_config_resolve(
     *,
+    owner,
     kind: str,
     env_config: EnvironmentConfig | None,
     model: ModelEntry,
@@ -288,8 +370,10 @@ def job_config_resolve(
 
     Layers, later winning: the config class defaults, the recipe in
     recipes/tictactoe_tiny/<kind>.toml, the model's generation defaults, the form's
-    settings, then free `key=value` overrides. rlcore validates the result; its message
-    becomes a form error.
+    settings, then free `key=value` overrides. The same checks run for the form and the
+    JSON API: each setting's bounds (rlcore's config.BOUNDS), the environment's own
+    parameter schema for `env_args`, path_confine for every path, then rlcore's
+    validation; each message lands under the field it is about.
     """
     if kind not in CONFIG_CLASSES:
         raise ValidationError(
@@ -321,15 +405,37 @@ def job_config_resolve(
     if kind in ("eval", "synth", "rl"):
         values["env"] = env_config.env_name
         values["env_args"] = dict(env_config.params)
-    values |= {k: v for k, v in options.items() if v is not None and v != ""}
-    values |= _parse_overrides(overrides)
+    values |= _user_settings(options, overrides)
 
     try:
         overrides_list = [f"{k}={json.dumps(v)}" for k, v in values.items()]
         checked = CheckedEvalConfig if kind == "eval" else cls
         config = load_config(checked, recipe_path(kind), overrides_list).to_dict()
     except ConfigError as exc:
+        if exc.errors:
+            # A key the form shows keeps its message; any other came from the overrides.
+            by_field: dict[str, list[str]] = {}
+            for key, message in exc.errors.items():
+                by_field.setdefault(key if key in options else "overrides", []).append(message)
+            raise ValidationError(by_field) from None
         raise ValidationError(str(exc)) from None
+    if "env_args" in config:
+        try:
+            config["env_args"] = env_params_resolve(
+                env_name=config["env"], params=config["env_args"]
+            )
+        except ParamError as exc:
+            raise ValidationError(
+                {f"env_args.{name}": message for name, message in exc.errors.items()}
+            ) from None
+    for key, (what, is_file) in PATH_KEYS.items():
+        if config.get(key):
+            try:
+                config[key] = path_confine(
+                    location=config[key], owner=owner, what=what, is_file=is_file
+                )
+            except ValidationError as exc:
+                raise ValidationError({key: exc.messages}) from None
     return config
 
 
@@ -357,7 +463,12 @@ def job_create(
 ) -> Job:
     """Resolve the job's config, store it, and queue the job (cpu, or gpu for cuda)."""
     config = job_config_resolve(
-        kind=kind, env_config=env_config, model=model, options=options or {}, overrides=overrides
+        owner=owner,
+        kind=kind,
+        env_config=env_config,
+        model=model,
+        options=options or {},
+        overrides=overrides,
     )
     if parent_checkpoint is None and model.kind == ModelEntry.Kind.CHECKPOINT:
         parent_checkpoint = model.checkpoint
@@ -424,9 +535,10 @@ def job_status_payload(job: Job) -> dict:
 
 
 def job_retry(*, job: Job) -> Job:
-    """A new job with the same config; an RL job resumes from its last checkpoint."""
+    """A new job with the same config; an RL job resumes from the last checkpoint of the
+    job's current attempt (never one an earlier attempt left behind)."""
     config = dict(job.config)
-    last = job.checkpoints.order_by("-step").first()
+    last = job.current_checkpoints().order_by("-step").first()
     if job.kind == Job.Kind.RL and last is not None:
         config["resume_from"] = last.path
     return _job_insert(
@@ -440,10 +552,16 @@ def job_retry(*, job: Job) -> Job:
 
 
 def job_requeue(*, job: Job) -> Job:
-    """Run the same job row again from the start, dropping what its last attempt wrote."""
+    """Run the same job row again from the start as its next attempt: what the last
+    attempt reported is dropped, its checkpoints stay archived under their attempt (models
+    made from them keep working), and the new attempt writes into a folder of its own."""
     if job.status == Job.Status.RUNNING:
         raise ValidationError(f"job #{job.pk} is running; cancel it before requeueing")
     with transaction.atomic():
+        job.attempt += 1
+        job.config[OUTPUT_KEYS[job.kind]] = str(
+            Path(settings.RUNS_DIR) / f"job-{job.pk}" / f"attempt-{job.attempt}"
+        )
         Metric.objects.filter(job=job).delete()
         Rollout.objects.filter(job=job).delete()
         LogLine.objects.filter(job=job).delete()

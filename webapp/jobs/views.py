@@ -150,7 +150,7 @@ def model_list(request):
                 kind=data["kind"],
                 location=data["location"],
                 base_url=data["base_url"],
-                api_key_env=data["api_key_env"],
+                api_key=data["api_key"],
                 generation=form.generation(),
             )
         except ValidationError as exc:
@@ -164,7 +164,7 @@ def model_list(request):
         {
             "form": form,
             "models": selectors.models_for_user(request.user),
-            "model_roots": services._allowed_roots(),
+            "model_roots": services.shared_roots(),
         },
     )
 
@@ -256,7 +256,7 @@ def job_detail(request, pk: int):
             "live": live,
             "tables": presenters.summary_tables(job.summary if job.kind == Job.Kind.EVAL else None),
             "report": (job.result or {}).get("report", ""),
-            "checkpoints": job.checkpoints.select_related("model_entry"),
+            "checkpoints": job.current_checkpoints().select_related("model_entry"),
             "config_json": json.dumps(job.config, indent=2, sort_keys=True),
             "result_json": json.dumps(job.result, indent=2, sort_keys=True) if job.result else "",
         },

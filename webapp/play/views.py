@@ -12,8 +12,6 @@ JSON like the jobs API: 401 without a login, 404 for a game that is not yours, 4
 
 from __future__ import annotations
 
-import json
-
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
@@ -23,6 +21,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
 from webapp.jobs.api import api_view
+from webapp.jobs.validation import json_body, validation_response
 from webapp.play import selectors, services
 from webapp.play.forms import MoveForm, NewGameForm
 from webapp.play.models import Game
@@ -149,34 +148,12 @@ def player_history(request, player: str):
 # JSON
 
 
-def _errors(errors: dict, status: int = 400) -> JsonResponse:
-    return JsonResponse(
-        {"errors": {k: v if isinstance(v, list) else [v] for k, v in errors.items()}}, status=status
-    )
-
-
-def _validation_response(exc: ValidationError) -> JsonResponse:
-    if hasattr(exc, "error_dict"):
-        return _errors(exc.message_dict)
-    return _errors({"__all__": exc.messages})
-
-
-def _body(request) -> dict:
-    try:
-        body = json.loads(request.body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValidationError({"body": f"not valid JSON: {exc}"}) from None
-    if not isinstance(body, dict):
-        raise ValidationError({"body": "expected a JSON object"})
-    return body
-
-
 @require_POST
 @api_view
 def api_games(request):
     """Create a game: {"player": key, "human_mark": "X"|"O", "human_starts": bool}."""
     try:
-        body = _body(request)
+        body = json_body(request)
         human_starts = body.get("human_starts", True)
         if not isinstance(human_starts, bool):
             raise ValidationError({"human_starts": f"expected true or false, got {human_starts!r}"})
@@ -187,7 +164,7 @@ def api_games(request):
             human_starts=human_starts,
         )
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     return JsonResponse(game.to_dict(), status=201)
 
 
@@ -204,10 +181,10 @@ def api_move(request, pk: int):
     answer follows over the websocket (or by polling the game)."""
     game = selectors.game_for_user(request.user, pk)
     try:
-        cell = _body(request).get("cell")
+        cell = json_body(request).get("cell")
         game = services.game_human_move(game=game, cell=cell)
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     return JsonResponse(game.to_dict())
 
 
@@ -218,5 +195,5 @@ def api_retry(request, pk: int):
     try:
         game = services.game_retry_model(game=game)
     except ValidationError as exc:
-        return _validation_response(exc)
+        return validation_response(exc)
     return JsonResponse(game.to_dict())
