@@ -149,6 +149,14 @@ def json_value(value: Any, *, field: str, depth: int = 0) -> Any:
     raise ValidationError({field: f"unsupported value of type {type(value).__name__}"})
 
 
+def ids_from(values: list[str]) -> list[int]:
+    """The values that are row ids (decimal digits within 64 bits), in order; the rest
+    are dropped, as a link to a row that cannot exist leads nowhere."""
+    return [
+        int(v) for v in values if v.isascii() and v.isdigit() and len(v) <= 19 and int(v) <= MAX_INT
+    ]
+
+
 def errors_response(errors: dict, status: int = 400) -> JsonResponse:
     """{"errors": {field: [messages]}} with `status`."""
     return JsonResponse(

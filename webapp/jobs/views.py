@@ -24,6 +24,7 @@ from webapp.jobs import presenters, selectors, services
 from webapp.jobs.forms import EnvConfigForm, JobForm, ModelEntryForm, RolloutFilterForm
 from webapp.jobs.models import Job, ModelEntry
 from webapp.jobs.services import CONFIG_CLASSES
+from webapp.jobs.validation import ids_from
 
 ROLLOUTS_PER_PAGE = 50
 
@@ -309,7 +310,7 @@ def job_metrics_csv(request, pk: int):
 @login_required
 def compare(request):
     jobs = selectors.jobs_for_user(request.user)
-    chosen_ids = [int(i) for i in request.GET.getlist("jobs") if i.isdigit()]
+    chosen_ids = ids_from(request.GET.getlist("jobs"))
     chosen = list(jobs.filter(pk__in=chosen_ids))
     names = selectors.metric_names(chosen) if chosen else []
     metric = request.GET.get("metric") or (
@@ -399,11 +400,11 @@ def rollout_detail(request, pk: int, rollout_id: int):
 @login_required
 def rollout_compare(request, pk: int):
     job = selectors.job_for_user(request.user, pk)
-    ids = [i for i in request.GET.getlist("id") if i.isdigit()][:2]
+    ids = ids_from(request.GET.getlist("id"))[:2]
     if len(ids) != 2:
         messages.error(request, "Pick two rollouts to compare.")
         return redirect("jobs:rollout_list", pk=job.pk)
-    pair = [selectors.rollout_for_job(job, int(i)) for i in ids]
+    pair = [selectors.rollout_for_job(job, i) for i in ids]
     if pair[0].example_id != pair[1].example_id:
         messages.warning(
             request,
