@@ -538,7 +538,9 @@ def job_retry(*, job: Job) -> Job:
     """A new job with the same config; an RL job resumes from the last checkpoint of the
     job's current attempt (never one an earlier attempt left behind)."""
     config = dict(job.config)
-    last = job.current_checkpoints().order_by("-step").first()
+    # At a tie (the last step's checkpoint and final/) the step's, which has the
+    # trainer state to resume from, was recorded first.
+    last = job.current_checkpoints().order_by("-step", "id").first()
     if job.kind == Job.Kind.RL and last is not None:
         config["resume_from"] = last.path
     return _job_insert(
