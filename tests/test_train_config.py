@@ -176,3 +176,37 @@ def test_the_cli_runs_synth_from_a_recipe_and_reports_bad_overrides(tmp_path, ca
     assert "loss_type must be one of" in capsys.readouterr().err
     assert cli.main("sft", [f"dataset={tmp_path / 'none.jsonl'}", f"output_dir={tmp_path}"]) == 2
     assert "none.jsonl' does not exist" in capsys.readouterr().err
+
+
+def test_every_number_a_config_takes_has_bounds():
+    """BOUNDS is the one place a setting's range lives (form, API and CLI read it)."""
+    import typing
+    from dataclasses import fields
+
+    from rlcore.evaluate import EvalConfig
+    from rlcore.train.config import BOUNDS, RLConfig, SFTConfig, SynthConfig
+
+    for cls in (EvalConfig, SynthConfig, SFTConfig, RLConfig):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if hints[f.name] in (int, float, int | None, float | None):
+                assert f.name in BOUNDS, f"{cls.__name__}.{f.name} has no bounds"
+
+
+def test_out_of_range_and_non_finite_values_name_their_key():
+    from rlcore.train.config import ConfigError, RLConfig, load_config
+
+    for override, key in (("max_steps=1e308", "max_steps"), ("seed=-1", "seed"),
+                          ("lr=1e999", "lr"), ("beta=1000", "beta")):  # fmt: skip
+        with pytest.raises(ConfigError) as caught:
+            load_config(RLConfig, overrides=[override])
+        assert list(caught.value.errors) == [key]
+    assert load_config(RLConfig, overrides=["max_steps=7"]).max_steps == 7
+
+
+def test_an_env_number_without_bounds_is_refused_at_definition():
+    from rlcore.envs.base import Param
+
+    with pytest.raises(TypeError, match="needs both min and max"):
+        Param("turns", int, 3, "turns", min=1)
+    assert Param("turns", int, 3, "turns", min=1, max=9).max == 9

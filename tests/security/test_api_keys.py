@@ -108,3 +108,14 @@ def test_a_tampered_game_sends_nothing(alice, listener):
     with pytest.raises(PermissionError, match="refusing to send"):
         policy_for(game.policy)
     assert listener.authorizations == []
+
+
+def test_staff_declare_a_variable_name_and_an_http_url(carol):
+    from django.core.exceptions import ValidationError
+
+    for env_var, base_url in (("sk-proj-0123456789abcdef", "https://api.openai.com/v1"),
+                              ("MY KEY", "https://api.openai.com/v1"),
+                              ("OPENAI_API_KEY", "file:///etc/passwd")):  # fmt: skip
+        with pytest.raises(ValidationError):
+            ApiKey(name="k", env_var=env_var, base_url=base_url).full_clean()
+    ApiKey(name="k", env_var="OPENAI_API_KEY", base_url="https://api.openai.com/v1").full_clean()

@@ -9,9 +9,11 @@ ran, its compact JSON form) lives here on the model.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.urls import reverse
 from django.utils import timezone
@@ -66,6 +68,22 @@ class ApiKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.base_url})"
+
+    def clean(self) -> None:
+        from webapp.jobs.validation import looks_like_secret
+
+        errors = {}
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.env_var or "") or looks_like_secret(
+            self.env_var
+        ):
+            errors["env_var"] = (
+                "the NAME of the variable that holds the key on the workers (letters, digits, "
+                "underscores, e.g. OPENAI_API_KEY), never the key itself"
+            )
+        if not re.fullmatch(r"https?://\S+", self.base_url or ""):
+            errors["base_url"] = "an http(s) URL such as https://api.openai.com/v1"
+        if errors:
+            raise ValidationError(errors)
 
     def serves(self, base_url: str) -> bool:
         """Whether `base_url` is the endpoint this key was declared for."""
