@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_type_hints
 
-from rlcore.parsers import XMLParser
+from rlcore.parsers import XMLParser, tag_contents
 from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
 from rlcore.rubric import Rubric
 from rlcore.types import Example, Message, Rollout, SamplingParams, Turn
@@ -50,6 +50,12 @@ class Param:
     min: float | None = None
     max: float | None = None
     choices: tuple | None = None
+
+    def __post_init__(self) -> None:
+        # A number with no bounds lets a form or API post 1e308 into a reward or a loop
+        # count; every environment states what range makes sense.
+        if self.type in (int, float) and not self.choices and None in (self.min, self.max):
+            raise TypeError(f"parameter {self.name!r}: a number needs both min and max")
 
     def to_dict(self) -> dict:
         return {
@@ -364,31 +370,51 @@ def tool_schema(func: Callable) -> dict:
     }
 
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# Far longer than any real call; a longer one is answered with an error, unparsed.
+MAX_TOOL_CALL_CHARS = 10_000
+
+
+def _read_text_tool_call(raw: str) -> tuple[str, Any]:
+    """(name, arguments) of one `<tool_call>` body, or ("", what to show) when it is not a
+    JSON object of a name and arguments. json.loads raises ValueError, not only
+    JSONDecodeError, on an integer of more than 4300 digits, and RecursionError on deep
+    nesting: both are a malformed call, not a crash."""
+    body = raw.strip()
+    if len(body) > MAX_TOOL_CALL_CHARS:
+        return "", f"{body[:200]}... ({len(body)} characters; the limit is {MAX_TOOL_CALL_CHARS})"
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return "", body
+    if not isinstance(parsed, dict):
+        return "", body
+    return str(parsed.get("name", "")), parsed.get("arguments", {})
+
+
+def _arguments_text(arguments: Any) -> str:
+    if isinstance(arguments, str):
+        return arguments
+    try:
+        return json.dumps(arguments)
+    except (ValueError, RecursionError):  # parsed once, but too deep to write back
+        return ""
 
 
 def parse_text_tool_calls(text: str | None) -> list[dict]:
     """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
     Models served without native tool calling write calls in text (the Hermes/Qwen
-    convention). Malformed JSON becomes a call named "" so the env can answer with an error.
+    convention). A malformed call (not JSON, not an object, too long) becomes a call named
+    "" so the env can answer with an error.
     """
     calls = []
-    for i, raw in enumerate(_TOOL_CALL_RE.findall(text or "")):
-        try:
-            body = json.loads(raw.strip())
-            name = str(body.get("name", ""))
-            arguments = body.get("arguments", {})
-        except (json.JSONDecodeError, AttributeError):
-            name, arguments = "", raw.strip()
+    for i, raw in enumerate(tag_contents(text, "tool_call")):
+        name, arguments = _read_text_tool_call(raw)
         calls.append(
             {
                 "id": f"call_{i}_{uuid.uuid4().hex[:8]}",
                 "type": "function",
-                "function": {
-                    "name": name,
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                },
+                "function": {"name": name, "arguments": _arguments_text(arguments)},
             }
         )
     return calls
@@ -421,7 +447,10 @@ class ToolEnv(MultiTurnEnv):
         return {"tool_calls": 0, "tool_errors": 0}
 
     def _calls(self, message: Message) -> list[dict]:
-        return message.get("tool_calls") or parse_text_tool_calls(message.get("content"))
+        native = message.get("tool_calls")
+        if isinstance(native, list) and native:
+            return native
+        return parse_text_tool_calls(message.get("content"))
 
     def assistant_message(self, generation) -> Message:
         message = super().assistant_message(generation)
@@ -438,12 +467,18 @@ class ToolEnv(MultiTurnEnv):
     def call_tool(self, name: str, arguments: Any) -> str:
         by_name = {f.__name__: f for f in self.tools}
         if name not in by_name:
-            raise ValueError(f"unknown tool {name!r}; available: {', '.join(by_name)}")
+            shown = name if len(name) <= 80 else f"{name[:80]}..."
+            raise ValueError(f"unknown tool {shown!r}; available: {', '.join(by_name)}")
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as exc:
                 raise ValueError(f"arguments are not valid JSON: {exc.msg}") from None
+            except (ValueError, RecursionError):
+                raise ValueError(
+                    "arguments are not readable JSON (a number of thousands of digits, or "
+                    "nesting too deep); pass a JSON object of plain values"
+                ) from None
         if not isinstance(arguments, dict):
             raise ValueError(f"arguments must be a JSON object, got {type(arguments).__name__}")
         return str(by_name[name](**arguments))
@@ -452,17 +487,22 @@ class ToolEnv(MultiTurnEnv):
         replies = []
         for call in self._calls(messages[-1]):
             state["tool_calls"] += 1
-            function = call.get("function", {})
+            # Native calls come from an endpoint as it sent them: anything may be missing.
+            call = call if isinstance(call, dict) else {}
+            function = call.get("function")
+            function = function if isinstance(function, dict) else {}
+            name = function.get("name")
+            name = name if isinstance(name, str) else ""
             try:
-                content = self.call_tool(function.get("name", ""), function.get("arguments", {}))
+                content = self.call_tool(name, function.get("arguments", {}))
             except Exception as exc:  # a tool's failure is the model's feedback, not a crash
                 state["tool_errors"] += 1
                 content = f"Error: {exc}"
             replies.append(
                 {
                     "role": "tool",
-                    "tool_call_id": call.get("id", ""),
-                    "name": function.get("name", ""),
+                    "tool_call_id": str(call.get("id", "")),
+                    "name": name,
                     "content": content,
                 }
             )

@@ -264,8 +264,8 @@ class CalculatorEnv(ToolEnv):
 
     def build_rubric(self) -> Rubric:
         rubric = Rubric()
-        rubric.add(self.correct_reward, 1.0, name="correct")
-        rubric.add(format_reward, 0.0, name="format")
+        rubric.add(self.correct_reward, 1.0, name="correct", bounds=(0.0, 1.0))
+        rubric.add(format_reward, 0.0, name="format", bounds=(0.0, 1.0))
         return rubric
 
     def correct_reward(self, *, completion: list[Message], example: Example, **_) -> float:

@@ -188,9 +188,9 @@ class DoubleCheckEnv(MultiTurnEnv):
 
     def build_rubric(self) -> Rubric:
         rubric = Rubric()
-        rubric.add(correct_reward, 1.0, name="correct")
-        rubric.add(first_correct_reward, 0.0, name="first_correct")
-        rubric.add(format_reward, 0.0, name="format")
+        rubric.add(correct_reward, 1.0, name="correct", bounds=(0.0, 1.0))
+        rubric.add(first_correct_reward, 0.0, name="first_correct", bounds=(0.0, 1.0))
+        rubric.add(format_reward, 0.0, name="format", bounds=(0.0, 1.0))
         return rubric
 
     @property

@@ -51,11 +51,18 @@ def last_boxed(text: str | None) -> str | None:
 
     A `<think>` block in front is skipped, so a box drafted while thinking is not the
     answer. Escaped braces (`\\{`) do not count toward the balance.
+
+    Boxes are tried from the last one back, each scanned only up to where the next one
+    starts: a box still open there would still be open at the end of the text (the later
+    box's own braces sit on top of its count), so scanning on could not close it. That keeps
+    the work linear in the text however many boxes it opens and never closes.
     """
     answer_part = ThinkParser().answer(text)
-    for match in reversed(list(_BOXED_RE.finditer(answer_part))):
+    starts = list(_BOXED_RE.finditer(answer_part))
+    scan_until = len(answer_part)
+    for match in reversed(starts):
         depth, position = 1, match.end()
-        while position < len(answer_part) and depth:
+        while position < scan_until and depth:
             char = answer_part[position]
             if char == "\\":
                 position += 2
@@ -64,6 +71,7 @@ def last_boxed(text: str | None) -> str | None:
             position += 1
         if depth == 0:
             return answer_part[match.end() : position - 1]
+        scan_until = match.start()
     return None
 
 
@@ -149,13 +157,16 @@ def answer_matches(content: str | None, truth: Fraction) -> bool:
     """Whether a boxed answer equals `truth`, by math-verify or by exact evaluation."""
     if content is None or not content.strip() or not is_safe_to_evaluate(content):
         return False
-    if _verify_with_math_verify(content, truth):
-        return True
+    try:
+        if _verify_with_math_verify(content, truth):
+            return True
+    except Exception as exc:  # sympy and the LaTeX grammar raise many kinds on odd input
+        logging.getLogger(__name__).debug("math-verify failed on %r: %s", content, exc)
     # math-verify misreads a few plain forms (a trailing "\ " makes it reject 0.5), and
     # evaluating the same answer exactly as plain arithmetic is a sound second opinion.
     try:
         return evaluate_arithmetic(latex_to_arithmetic(content)) == truth
-    except ValueError:
+    except (ValueError, ZeroDivisionError):
         return False
 
 
@@ -301,8 +312,8 @@ class MathEnv(SingleTurnEnv):
 
     def build_rubric(self) -> Rubric:
         rubric = Rubric()
-        rubric.add(correct_reward, 1.0, name="correct")
-        rubric.add(format_reward, 0.0, name="format")
+        rubric.add(correct_reward, 1.0, name="correct", bounds=(0.0, 1.0))
+        rubric.add(format_reward, 0.0, name="format", bounds=(0.0, 1.0))
         return rubric
 
     @property

@@ -31,6 +31,8 @@ PARAGRAPH_SYSTEM_PROMPT = (
 # Short on purpose: tiny models trained on `random` mode should spend their context on
 # the text, not on instructions.
 RANDOM_SYSTEM_PROMPT = "Reverse the text. Answer as <reversed>...</reversed>."
+# An answer longer than this many times the text is scored 0 without the LCS (lcs_ratio).
+MAX_ANSWER_FACTOR = 10
 
 
 @functools.cache
@@ -63,9 +65,17 @@ def lcs_length(first: str, second: str) -> int:
 
 
 def lcs_ratio(answer: str, target: str) -> float:
-    """2*LCS/(len(answer)+len(target)): 1 for equal strings, 0 when nothing is shared."""
+    """2*LCS/(len(answer)+len(target)): 1 for equal strings, 0 when nothing is shared.
+
+    An answer more than `MAX_ANSWER_FACTOR` times the target's length (plus a little) is
+    scored 0 without computing the LCS, whose cost grows with the answer's length: its
+    ratio could be at most 2 / (1 + that factor) anyway, and a reply that long is not an
+    attempt at the reversal.
+    """
     if not answer and not target:
         return 1.0
+    if len(answer) > MAX_ANSWER_FACTOR * len(target) + 100:
+        return 0.0
     return 2 * lcs_length(answer, target) / (len(answer) + len(target))
 
 
@@ -168,8 +178,8 @@ class ReverseTextEnv(SingleTurnEnv):
 
     def build_rubric(self) -> Rubric:
         rubric = Rubric()
-        rubric.add(lcs_reward, 1.0, name="lcs")
-        rubric.add(format_reward, 0.0, name="format")
+        rubric.add(lcs_reward, 1.0, name="lcs", bounds=(0.0, 1.0))
+        rubric.add(format_reward, 0.0, name="format", bounds=(0.0, 1.0))
         return rubric
 
     def make_example(self, index: int, seed: int) -> Example:

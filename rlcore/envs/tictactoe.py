@@ -57,6 +57,8 @@ OUTCOME_REWARD = {"win": 1.0, "draw": 0.5, "loss": 0.0}
 # What a think block reads off the board (`think_text`).
 REASONING_FORMATS = ("empty", "threats")
 MOVE_FORMAT_HINT = "reply with <move>N</move>, N in 0-8"
+# The longest move tag content read as a number ("+04" and "008" still are).
+MAX_MOVE_CHARS = 4
 
 # ---------------------------------------------------------------------------------------
 # Board helpers
@@ -234,7 +236,7 @@ def opponent_move(board: Sequence[str] | str, mark: str, random_move_prob: float
 
 _think_parser = ThinkParser()
 _move_parser = XMLParser(["move"])
-_STRICT_REPLY = re.compile(r"\s*<think>.*?</think>\s*<move>\s*\d+\s*</move>\s*", re.DOTALL)
+_STRICT_REPLY = re.compile(r"\s*<think>.*?</think>\s*<move>\s*[0-9]+\s*</move>\s*", re.DOTALL)
 
 
 def is_well_formatted(text: str | None) -> bool:
@@ -251,8 +253,12 @@ def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None
     """
     _, answer = _think_parser.parse(text)
     raw = _move_parser.parse_answer(answer, "move")
-    if raw is None or not re.fullmatch(r"[+-]?\d+", raw):
+    if raw is None or not re.fullmatch(r"[+-]?[0-9]+", raw):
         return None, MOVE_FORMAT_HINT
+    if len(raw) > MAX_MOVE_CHARS:
+        # Never int(raw): int() refuses more than 4300 digits. A cell number is one digit;
+        # a tag this long is not a move, however many of its digits are leading zeros.
+        return None, f"the move {raw[:8]}... is {len(raw)} characters long; {MOVE_FORMAT_HINT}"
     cell = int(raw)
     if not 0 <= cell <= 8:
         return None, f"cell {cell} is not in 0-8"
@@ -448,6 +454,7 @@ class TicTacToeEnv(MultiTurnEnv):
             "board's facts exactly as the `reasoning` format does, so RL that credits moves "
             "one by one also keeps the reasoning true.",
             min=0.0,
+            max=10.0,
         ),
         Param(
             "invalid_move_penalty",
@@ -455,6 +462,7 @@ class TicTacToeEnv(MultiTurnEnv):
             0.1,
             "Reward subtracted for each invalid reply.",
             min=0.0,
+            max=10.0,
         ),
         Param(
             "invalid_penalty_cap",
@@ -462,6 +470,7 @@ class TicTacToeEnv(MultiTurnEnv):
             0.5,
             "Largest total invalid-move penalty per game.",
             min=0.0,
+            max=10.0,
         ),
     ]
 
@@ -482,9 +491,24 @@ class TicTacToeEnv(MultiTurnEnv):
 
     def build_rubric(self) -> Rubric:
         rubric = Rubric()
-        rubric.add(self.outcome_reward, 1.0, name="outcome")
-        rubric.add(format_reward, 0.2, name="format")
-        rubric.add(self.invalid_move_reward, 1.0, name="invalid_move")
+        outcome_values = (
+            OUTCOME_REWARD["win"],
+            self.config["draw_reward"],
+            self.config["loss_reward"],
+        )
+        rubric.add(
+            self.outcome_reward,
+            1.0,
+            name="outcome",
+            bounds=(min(outcome_values), max(outcome_values)),
+        )
+        rubric.add(format_reward, 0.2, name="format", bounds=(0.0, 1.0))
+        rubric.add(
+            self.invalid_move_reward,
+            1.0,
+            name="invalid_move",
+            bounds=(-self.config["invalid_penalty_cap"], 0.0),
+        )
         return rubric
 
     def outcome_reward(self, *, state: dict, **_) -> float:
