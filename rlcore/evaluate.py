@@ -477,7 +477,11 @@ class _Reporter:
         self.unreported = []
         if not self.stop and self.sink.should_stop():
             self.stop = True
-            self.sink.log(f"{self.desc}: stop requested; finishing rollouts in flight", "warning")
+            self.sink.log(
+                f"{self.desc}: stop requested; rollouts in flight end before their next turn "
+                "and are left out",
+                "warning",
+            )
 
 
 async def _play(

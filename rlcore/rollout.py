@@ -2,7 +2,9 @@
 
 Rollouts are coroutines; a semaphore caps how many are in flight so an endpoint or the
 local engine is never flooded. Each rollout's failure is kept on the rollout (`error`),
-never raised, so one bad reply cannot lose a whole evaluation.
+never raised, so one bad reply cannot lose a whole evaluation. A stop request (the
+caller's `should_stop`) is honoured between turns, not only between rollouts: a batch of
+long multi-turn games, all started at once, would otherwise play every game to its end.
 """
 
 from __future__ import annotations
@@ -12,8 +14,38 @@ import traceback
 from collections.abc import Callable
 
 from rlcore.envs.base import Environment
-from rlcore.policy.base import Policy
-from rlcore.types import Example, Rollout, SamplingParams
+from rlcore.policy.base import Policy, StopRequested
+from rlcore.types import Example, Generation, Message, Rollout, SamplingParams
+
+
+class _StoppablePolicy(Policy):
+    """`policy`, asking `should_stop` before every reply; once told to stop it raises
+    StopRequested instead of replying, which ends the rollout (as any PolicyError does)
+    and marks it `stopped`. A StopRequested from `policy` itself (the local engine cutting
+    a generation short) marks it too."""
+
+    def __init__(self, policy: Policy, should_stop: Callable[[], bool]):
+        self.policy = policy
+        self.should_stop = should_stop
+        self.name = policy.name
+        self.stopped = False
+
+    async def generate(
+        self,
+        messages: list[Message],
+        sampling: SamplingParams,
+        *,
+        tools: list[dict] | None = None,
+        state: dict | None = None,
+    ) -> Generation:
+        if self.stopped or self.should_stop():
+            self.stopped = True
+            raise StopRequested("stop requested before this turn")
+        try:
+            return await self.policy.generate(messages, sampling, tools=tools, state=state)
+        except StopRequested:
+            self.stopped = True
+            raise
 
 
 async def run_rollouts(
@@ -29,9 +61,12 @@ async def run_rollouts(
 ) -> list[Rollout]:
     """`rollouts_per_example` rollouts of every example, in example order (groups adjacent).
 
-    `should_stop` is asked before each rollout starts; once it says True, rollouts that have
-    not started are skipped (left out of the result) while those in flight finish, so a
-    cancelled run still returns every rollout it paid for.
+    `should_stop` is asked before each rollout starts and before each of its model turns;
+    once it says True, rollouts that have not started are skipped and those in flight end
+    after the reply being generated (or sooner, where the policy itself stops: the local
+    engine given the same `should_stop`), and both are left out of the result (an
+    unfinished game would pass for a lost one). Every rollout returned was played to its
+    end.
     """
     semaphore = asyncio.Semaphore(max(1, concurrency))
 
@@ -39,8 +74,9 @@ async def run_rollouts(
         async with semaphore:
             if should_stop is not None and should_stop():
                 return None
+            player = policy if should_stop is None else _StoppablePolicy(policy, should_stop)
             try:
-                result = await env.rollout(policy, example, sampling)
+                result = await env.rollout(player, example, sampling)
             except Exception as exc:  # keep the failure with the rollout, name where it came from
                 result = Rollout(
                     example_id=example.id,
@@ -51,6 +87,8 @@ async def run_rollouts(
                     info=dict(example.info),
                     error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}",
                 )
+            if isinstance(player, _StoppablePolicy) and player.stopped:
+                return None
         if on_result is not None:
             on_result(result)
         return result

@@ -364,7 +364,7 @@ def test_a_stop_request_saves_a_checkpoint_at_the_last_finished_step(tiny_model,
     assert path.endswith("step_000001")
     assert [step for step, _ in sink.metrics] == [1]
     assert sink.checkpoints == [(1, path)]
-    assert torch.load(f"{path}/{TRAINER_STATE}", weights_only=False)["step"] == 1
+    assert torch.load(f"{path}/{TRAINER_STATE}", weights_only=True)["step"] == 1
 
 
 def test_resuming_from_a_directory_without_trainer_state_is_refused(tiny_model, tmp_path):

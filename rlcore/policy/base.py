@@ -18,6 +18,11 @@ class PolicyError(RuntimeError):
     """A policy could not produce a reply (unreachable endpoint, bad model path...)."""
 
 
+class StopRequested(PolicyError):
+    """The run was asked to stop, so this reply was not made (or was cut off unfinished);
+    the rollout that asked for it ends unfinished."""
+
+
 class Policy(ABC):
     name: str = "policy"
 

@@ -25,12 +25,13 @@ import asyncio
 import inspect
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.policy.base import Policy, PolicyError
+from rlcore.policy.base import Policy, PolicyError, StopRequested
 from rlcore.types import Generation, Message, SamplingParams
 
 # The batch size a generation shrinks in steps of as rows finish (see `_sample`).
@@ -103,6 +104,9 @@ class LocalEngine(Policy):
 
     Give `path` (a model directory or hub id) or the live `model` and `tokenizer` objects
     (the RL trainer shares its model so rollouts always sample the current weights).
+    `should_stop`, when given, is asked before every sampled token (from the worker
+    thread): once it says True the batch is abandoned and each of its requests fails with
+    StopRequested, so a cancelled run does not wait for a long generation to finish.
     `batches_run`, `requests_served` and `tokens_generated` count the work done.
     """
 
@@ -115,6 +119,7 @@ class LocalEngine(Policy):
         model: Any = None,
         tokenizer: Any = None,
         max_batch_size: int = 64,
+        should_stop: Callable[[], bool] | None = None,
     ):
         if max_batch_size < 1:
             raise PolicyError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -141,6 +146,7 @@ class LocalEngine(Policy):
         self.name = name or (Path(path).name if path else None) or "local"
         self.path = path
         self.max_batch_size = max_batch_size
+        self.should_stop = should_stop
         self.eos_token_ids = self._stop_token_ids()
         self.pad_token_id = (
             self.tokenizer.pad_token_id
@@ -359,6 +365,11 @@ class LocalEngine(Policy):
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str] = ["length"] * batch_size
         while True:
+            if self.should_stop is not None and self.should_stop():
+                raise StopRequested(
+                    f"stop requested: generation of {batch_size} replies abandoned after "
+                    f"{max(len(ids) for ids in sampled)} tokens"
+                )
             tokens, token_logprobs = sample_tokens(
                 logits, temperature, top_p, [generators[i] for i in rows]
             )

@@ -89,7 +89,8 @@ def _run(kind: str, cfg, sink: RunSink) -> str:
         return f"final checkpoint: {run_sft(cfg, sink)}"
     from rlcore.train.grpo import run_rl
 
-    return f"final checkpoint: {run_rl(cfg, sink)}"
+    path = run_rl(cfg, sink)
+    return f"final checkpoint: {path}" if path else "stopped part-way through a step; no checkpoint"
 
 
 def main(kind: str, argv: list[str]) -> int:

@@ -18,9 +18,15 @@ One step, as `run_rl` does it from top to bottom:
    dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
+A stop request (the sink's `should_stop`) is heard inside a step, not only between steps:
+the engine abandons a generation between tokens, rollouts end before their next turn, and
+the update stops between micro-batches. The step is then dropped whole, never stepped on
+from a partial batch, and the state after the last complete step is saved (`stop_inside`).
+
 Checkpoints hold everything a resumed run needs to continue exactly where this one was:
 model and tokenizer, optimizer and scheduler state, the step, the example stream and the
-python/numpy/torch random states.
+python/numpy/torch random states, all as tensors and plain values, read back with
+`torch.load(weights_only=True)` so that a crafted file cannot run code.
 """
 
 from __future__ import annotations
@@ -575,9 +581,20 @@ def padded(tensors: list[torch.Tensor], width: int, device: torch.device) -> tor
 
 
 def random_states() -> dict:
+    """The python, numpy and torch random states as tensors and plain numbers only, so
+    `torch.load(weights_only=True)` can read them back (pickled numpy arrays and the like
+    would need the unpickler that runs code)."""
+    version, internal, gauss_next = random.getstate()
+    algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     states = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "algorithm": str(algorithm),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -586,28 +603,55 @@ def random_states() -> dict:
 
 
 def restore_random_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    python = states["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
+    numpy = states["numpy"]
+    np.random.set_state(
+        (
+            numpy["algorithm"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def save_training_checkpoint(path, *, step, model, tokenizer, cfg, optimizer, scheduler, sampler):
+def save_training_checkpoint(
+    path,
+    *,
+    step,
+    model,
+    tokenizer,
+    cfg,
+    optimizer,
+    scheduler,
+    sampler_state: dict,
+    random_state: dict,
+):
+    """Model and tokenizer (safetensors, via save_pretrained) plus TRAINER_STATE: the step,
+    optimizer, scheduler, sampler and random states, all tensors and plain values."""
     save_checkpoint(model, tokenizer, cfg, path)
     state = {
         "step": step,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "sampler": sampler.state_dict(),
-        "random": random_states(),
+        "sampler": sampler_state,
+        "random": random_state,
     }
     torch.save(state, Path(path) / TRAINER_STATE)
     return str(path)
 
 
 def load_trainer_state(path: str | Path, cfg: RLConfig) -> tuple[dict, list[str]]:
-    """The trainer state of checkpoint `path`, and the config fields that differ from it."""
+    """The trainer state of checkpoint `path`, and the config fields that differ from it.
+
+    Read with `weights_only=True`: a checkpoint directory may come from anywhere (an
+    upload, a shared folder), and a full unpickle runs whatever code the file names. A
+    file that needs more than tensors and plain values is refused, not run."""
     path = Path(path)
     state_path = path / TRAINER_STATE
     if not state_path.is_file():
@@ -615,8 +659,23 @@ def load_trainer_state(path: str | Path, cfg: RLConfig) -> tuple[dict, list[str]
             f"resume_from={str(path)!r} is not an RL checkpoint (no {TRAINER_STATE}); "
             "accepted: a step_NNNNNN/ or final/ directory written by an RL run"
         )
-    # Our own file, holding python and numpy random states that weights_only cannot load.
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, or whatever a damaged file makes torch raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"refusing to load {str(state_path)!r}: it is not a trainer state this version "
+            "writes (tensors and plain values, loadable with weights_only=True); it may hold "
+            f"code to run, or come from an older version ({type(exc).__name__}: {reason})"
+        ) from None
+    missing = {"step", "optimizer", "scheduler", "sampler", "random"} - set(
+        state if isinstance(state, dict) else ()
+    )
+    if missing:
+        raise ValueError(
+            f"{str(state_path)!r} is not a trainer state: it lacks {sorted(missing)}; "
+            "accepted: the file an RL run writes in each checkpoint"
+        )
     saved_config = json.loads((path / "train_config.json").read_text())
     current = cfg.to_dict()
     changed = sorted(
@@ -631,13 +690,29 @@ def load_trainer_state(path: str | Path, cfg: RLConfig) -> tuple[dict, list[str]
 # The two passes over a batch of sequences
 
 
+class StepStopped(Exception):
+    """A stop request heard between micro-batches: the step is to be dropped. `updates`
+    is how many optimizer updates of the step were already taken, `where` says where."""
+
+    def __init__(self, where: str, updates: int):
+        super().__init__(where)
+        self.where = where
+        self.updates = updates
+
+
 @torch.no_grad()
-def score_sequences(model, reference, sequences, cfg: RLConfig, pad_id: int, device) -> dict:
+def score_sequences(
+    model, reference, sequences, cfg: RLConfig, pad_id: int, device, should_stop=None
+) -> dict:
     """Fill each sequence's old (and reference) logprobs with one no-grad pass of the
     current weights; return the mean entropy of the trained completion tokens and the mean
-    absolute gap to the logprobs the engine sampled with (policy/logprob_mismatch)."""
+    absolute gap to the logprobs the engine sampled with (policy/logprob_mismatch).
+    `should_stop` is asked before each micro-batch; StepStopped when it says True."""
     entropy_sum, completion_tokens, mismatch_sum, mismatch_tokens = 0.0, 0, 0.0, 0
-    for chunk in micro_batches(sequences, cfg.micro_batch_size):
+    chunks = micro_batches(sequences, cfg.micro_batch_size)
+    for index, chunk in enumerate(chunks):
+        if should_stop is not None and should_stop():
+            raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run", 0)
         input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
         weights = policy_weights(chunk, loss_mask.shape[1], device)
         trained = loss_mask * (weights > 0)  # under the policy loss, not the KL alone
@@ -686,11 +761,14 @@ def update_policy(
     *,
     with_reference: bool,
     scorer: Scorer | None = None,
+    should_stop=None,
 ) -> dict:
     """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
     of `policy_loss` over length-sorted micro-batches; returns the loss statistics.
     With `cfg.decision_samples` and a `scorer`, each sequence's decisions add
-    `decision_loss` (samples drawn afresh in every update)."""
+    `decision_loss` (samples drawn afresh in every update). `should_stop` is asked before
+    each micro-batch; when it says True, StepStopped is raised with the gradient of the
+    partial batch left for the caller to drop (never stepped on)."""
     sampling_decisions = cfg.decision_samples > 0 and scorer is not None
     # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
@@ -713,8 +791,15 @@ def update_policy(
     entropy_sum, entropy_tokens, bonus_sum, unlikely_sum = 0.0, 0.0, 0.0, 0.0
     mismatch_sum, mismatch_tokens = 0.0, 0
     grad_norms, learning_rates = [], []
-    for _ in range(cfg.num_iterations):
-        for chunk in micro_batches(trainable, cfg.micro_batch_size):
+    chunks = micro_batches(trainable, cfg.micro_batch_size)
+    for iteration in range(cfg.num_iterations):
+        for index, chunk in enumerate(chunks):
+            if should_stop is not None and should_stop():
+                raise StepStopped(
+                    f"update {iteration + 1} of {cfg.num_iterations}: micro-batch "
+                    f"{index + 1} of {len(chunks)} not run",
+                    iteration,
+                )
             input_ids, attention_mask, loss_mask = collate(chunk, pad_id, device)
             width = loss_mask.shape[1]
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
@@ -938,8 +1023,14 @@ def rollout_sample(rollouts: list[Rollout], group_size: int, count: int) -> list
 # The training loop
 
 
-def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
-    """Train `cfg.model` with RL on `cfg.env`; returns the final checkpoint directory."""
+def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
+    """Train `cfg.model` with RL on `cfg.env`; returns the final checkpoint directory.
+
+    `sink.should_stop()` is asked between steps, before every model turn of the rollouts
+    and between micro-batches of the update; once it says True the run ends within the
+    step (see `stop_inside` there) and returns the checkpoint it saved: the state after
+    the last complete step, or None when a stop in a later update of a step
+    (num_iterations > 1) left nothing complete to save and no earlier checkpoint exists."""
     sink = sink or NullSink()
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -971,7 +1062,9 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
     examples_per_step = cfg.batch_size // cfg.rollouts_per_example
     sampler = StratifiedSampler(env, cfg.seed, examples_per_step)
     curriculum_groups(cfg, sampler.num_groups, 1)  # a bad curriculum_order fails here
-    engine = LocalEngine(None, model=model, tokenizer=tokenizer, name="policy")
+    engine = LocalEngine(
+        None, model=model, tokenizer=tokenizer, name="policy", should_stop=sink.should_stop
+    )
     sampling = SamplingParams(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
     )
@@ -991,8 +1084,14 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
         f"{cfg.rollouts_per_example} rollouts per step, steps {start_step + 1}..{cfg.max_steps}"
     )
 
-    def checkpoint(step: int, path: Path) -> str:
-        saved = save_training_checkpoint(
+    last_saved: str | None = cfg.resume_from
+
+    def checkpoint(step: int, path: Path, start: tuple[dict, dict] | None = None) -> str:
+        """Save the run after `step`; `start` (sampler and random states) replaces the
+        current ones when the step after it was begun and then dropped."""
+        nonlocal last_saved
+        sampler_state, random_state = start or (sampler.state_dict(), random_states())
+        last_saved = save_training_checkpoint(
             path,
             step=step,
             model=model,
@@ -1000,10 +1099,36 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             cfg=cfg,
             optimizer=optimizer,
             scheduler=scheduler,
-            sampler=sampler,
+            sampler_state=sampler_state,
+            random_state=random_state,
         )
-        sink.checkpoint(step, saved)
-        return saved
+        sink.checkpoint(step, last_saved)
+        return last_saved
+
+    def stop_inside(step: int, where: str, updates: int, start: tuple[dict, dict]) -> str | None:
+        """End the run on a stop request that came in the middle of `step`: the step is
+        dropped (its gradients too: no optimizer step from a partial batch). Before the
+        step's first update the weights and optimizer are still those after step - 1, so
+        that state is saved, with the sampler and random states the step began from: a
+        resumed run plays the dropped step exactly. After an update (num_iterations > 1)
+        the weights are part-way through the step, so nothing is saved; the last
+        checkpoint saved, if any, is returned."""
+        optimizer.zero_grad(set_to_none=True)
+        if updates == 0:
+            path = checkpoint(step - 1, checkpoint_dir(output_dir, step - 1), start)
+            sink.log(
+                f"rl: stopped on request inside step {step} ({where}); the step is dropped, "
+                f"saved the state after step {step - 1}: {path}",
+                "warning",
+            )
+            return path
+        sink.log(
+            f"rl: stopped on request inside step {step} ({where}), after {updates} of its "
+            f"{cfg.num_iterations} updates; no checkpoint of this part-way state is saved "
+            f"(last saved: {last_saved or 'none'})",
+            "warning",
+        )
+        return last_saved
 
     outcome_labels: set[str] = set()  # every label seen so far, reported even at rate 0
     pieces: dict[int, str] = {}  # token id -> text, for think_length
@@ -1015,8 +1140,11 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                 sink.log(f"rl: stopped on request after step {step - 1}; saved {path}", "warning")
                 return path
             step_started = time.monotonic()
+            # Where this step starts from, saved instead if a stop request drops it.
+            start = (sampler.state_dict(), random_states())
 
-            # 1-2. A stratified batch of examples, each rolled out as a group.
+            # 1-2. A stratified batch of examples, each rolled out as a group; a stop
+            #      request cuts the engine's generation short and drops the rollouts.
             unlocked = curriculum_groups(cfg, sampler.num_groups, step)
             examples = sampler.next_batch(unlocked)
             rollouts = loop.run_until_complete(
@@ -1027,8 +1155,12 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
                     sampling=sampling,
                     rollouts_per_example=cfg.rollouts_per_example,
                     concurrency=cfg.concurrency,
+                    should_stop=sink.should_stop,
                 )
             )
+            if len(rollouts) < cfg.batch_size:
+                where = f"rollouts: {len(rollouts)} of {cfg.batch_size} finished"
+                return stop_inside(step, where, 0, start)
             rollout_seconds = time.monotonic() - step_started
             train_started = time.monotonic()
 
@@ -1102,23 +1234,30 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str:
             )
 
             # 5. Old and reference logprobs (their own no-grad pass only when several updates
-            #    or a KL term need them), then the masked-loss updates.
+            #    or a KL term need them), then the masked-loss updates. A stop request is
+            #    heard between micro-batches and drops the step.
             pad_id = tokenizer.pad_token_id
             scored = {}
-            if cfg.num_iterations > 1 or reference is not None:
-                scored = score_sequences(model, reference, sequences, cfg, pad_id, device)
-            updated = update_policy(
-                model,
-                optimizer,
-                scheduler,
-                sequences,
-                normalizer,
-                cfg,
-                pad_id,
-                device,
-                with_reference=reference is not None,
-                scorer=scorer,
-            )
+            try:
+                if cfg.num_iterations > 1 or reference is not None:
+                    scored = score_sequences(
+                        model, reference, sequences, cfg, pad_id, device, sink.should_stop
+                    )
+                updated = update_policy(
+                    model,
+                    optimizer,
+                    scheduler,
+                    sequences,
+                    normalizer,
+                    cfg,
+                    pad_id,
+                    device,
+                    with_reference=reference is not None,
+                    scorer=scorer,
+                    should_stop=sink.should_stop,
+                )
+            except StepStopped as stopped:
+                return stop_inside(step, stopped.where, stopped.updates, start)
             train_seconds = time.monotonic() - train_started
             step_seconds = time.monotonic() - step_started
 

@@ -273,7 +273,10 @@ def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> l
 
 
 def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
-    """Fine-tune `cfg.model` on `cfg.dataset`; returns the final checkpoint directory."""
+    """Fine-tune `cfg.model` on `cfg.dataset`; returns the final checkpoint directory.
+
+    `sink.should_stop()` is asked before each step and between its micro-batches; once it
+    says True the run saves the weights after the last complete step and returns them."""
     sink = sink or NullSink()
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -311,12 +314,19 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
     lengths = [len(ids) for ids, _ in examples]
     model.train()
 
+    def stop(step: int, where: str) -> str:
+        """Save the weights after step `step` - 1 and say where the stop was heard. A stop
+        inside a step drops that step's gradients: no optimizer step from a partial batch,
+        so the weights saved are exactly those after the last complete step."""
+        optimizer.zero_grad(set_to_none=True)
+        path = save_checkpoint(model, tokenizer, cfg, checkpoint_dir(output_dir, step - 1))
+        sink.checkpoint(step - 1, path)
+        sink.log(f"sft: stopped on request {where}; checkpoint {path}", "warning")
+        return path
+
     for step in range(1, total_steps + 1):
         if sink.should_stop():
-            path = save_checkpoint(model, tokenizer, cfg, checkpoint_dir(output_dir, step - 1))
-            sink.checkpoint(step - 1, path)
-            sink.log(f"sft: stopped on request after step {step - 1}; checkpoint {path}", "warning")
-            return path
+            return stop(step, f"after step {step - 1}")
         started = time.monotonic()
 
         # Next batch of conversations: a fresh shuffle every time the data runs out.
@@ -331,7 +341,11 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         # Forward and backward per micro-batch; the loss is the mean over every assistant
         # token of the whole batch, so accumulation gives the same gradient as one pass.
         total_loss, seen_tokens = 0.0, 0
-        for chunk in length_sorted_chunks(batch, lengths, cfg.micro_batch_size):
+        chunks = length_sorted_chunks(batch, lengths, cfg.micro_batch_size)
+        for index, chunk in enumerate(chunks):
+            if index and sink.should_stop():
+                where = f"inside step {step}, micro-batch {index + 1} of {len(chunks)} not run"
+                return stop(step, f"{where}; the step is dropped")
             chunk_examples = [examples[i] for i in chunk]
             loss = assistant_loss(
                 model, chunk_examples, tokenizer.pad_token_id, device, masked_tokens
