@@ -63,10 +63,10 @@ SERIES = (
 # (the benchmark cancels them at the end).
 RL_OPTIONS = {
     "max_steps": 100000,
-    "batch_size": 4,
+    "batch_size": 2,
     "rollouts_per_example": 2,
-    "micro_batch_size": 4,
-    "max_tokens": 32,
+    "micro_batch_size": 2,
+    "max_tokens": 24,
     "save_every": 0,
     "log_rollouts": 2,
 }
@@ -539,7 +539,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--database-url", default="postgres://postgres@127.0.0.1:5432/rllab_bench")
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds")
     parser.add_argument("--out", default=str(RESULTS), help="where to write the JSON results")
-    parser.add_argument("--keep-log", default="", help="copy run.sh's output to this file")
+    parser.add_argument(
+        "--keep-log", default="", help="copy run.sh's output and the worker's log to this file"
+    )
     args = parser.parse_args(argv)
     for name in ("viewers", "gets", "games", "rl_jobs"):
         if not 0 <= getattr(args, name) <= 1000:
@@ -566,7 +568,9 @@ def main(argv: list[str] | None = None) -> dict:
             stop_lab(lab)
             run_log = lab.log_path.read_text()
             if args.keep_log:
-                Path(args.keep_log).write_text(run_log)
+                worker_log = Path(var_dir) / "worker.log"
+                worker = worker_log.read_text() if worker_log.exists() else ""
+                Path(args.keep_log).write_text(f"{run_log}\n--- worker.log\n{worker}")
     web_workers = run_log.count("Started server process")
     print(
         f"lab via scripts/run.sh on {machine()['cores']} cores "
@@ -589,6 +593,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
         "run_sh_commit": git("log", "-1", "--format=%H %s", "--", "scripts/run.sh"),
         "web_concurrency": os.environ.get("WEB_CONCURRENCY"),
+        "settings_module": os.environ.get("DJANGO_SETTINGS_MODULE", "webapp.settings"),
         "web_processes": web_workers,
         "options": {k: v for k, v in vars(args).items() if k not in ("out", "keep_log")},
         "rl_options": RL_OPTIONS,

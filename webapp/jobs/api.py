@@ -163,7 +163,7 @@ def job_metrics(request, pk: int):
     The ETag names the version of the job's series (see selectors.metric_series_version);
     a request whose If-None-Match holds it gets 304 with no body. Ownership is checked
     first, so a 304 tells nobody about a job that is not theirs."""
-    job = selectors.job_for_user(request.user, pk)
+    job = selectors.job_version_for_user(request.user, pk)
     try:
         since = _int_param(request, "since")
         max_points = _int_param(
