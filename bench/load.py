@@ -14,8 +14,8 @@ created afresh), logs in as the admin over HTTP, and then, for --duration second
   writes a batch;
 - every --burst-every seconds `--gets` concurrent GET /api/jobs/<id>/metrics/ read a
   finished job of `--points` points (written straight to the database beforehand); the
-  first burst finds no cached series, and each burst is followed by the same burst with
-  If-None-Match (304s where the server answers them);
+  first burst finds no cached series, and half a period after each burst the same burst
+  goes out with If-None-Match (304s where the server answers them);
 - `--games` games against the tiny model play on: the move latency is the time from
   POSTing a cell to the websocket message that the model has answered.
 Prints a table (count, p50, p95, max, errors per measure) and writes the JSON results
@@ -357,6 +357,8 @@ async def metric_bursts(
         plain = measures["metric GET, cold cache" if first else "metric GET"]
         etags = await asyncio.gather(*(get_metrics(lab, url, plain, None) for _ in range(count)))
         etag = next((e for e in etags if e), None)
+        # Half a period later, so the server has finished with the first burst.
+        await asyncio.sleep(max(0.0, every / 2 - (time.monotonic() - burst_started)))
         conditional = measures["metric GET, If-None-Match"]
         await asyncio.gather(*(get_metrics(lab, url, conditional, etag) for _ in range(count)))
         first = False
