@@ -75,11 +75,16 @@ class EpochSeconds(Func):
     template = "EXTRACT(EPOCH FROM %(expressions)s)::double precision"
 
     def as_sqlite(self, compiler, connection, **extra_context):
-        # Django stores datetimes as UTC text; julianday() reads it.
+        # Django stores datetimes as UTC text, "YYYY-MM-DD HH:MM:SS[.ffffff]"; SQLite's date
+        # functions keep only milliseconds, so whole seconds come from julianday() and the
+        # fraction from the text.
         return self.as_sql(
             compiler,
             connection,
-            template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)",
+            template=(
+                "(round((julianday(substr(%(expressions)s, 1, 19)) - 2440587.5) * 86400.0)"
+                " + CAST('0' || substr(%(expressions)s, 20) AS REAL))"
+            ),
             **extra_context,
         )
 
