@@ -17,7 +17,8 @@ created afresh), logs in as the admin over HTTP, and then, for --duration second
   first burst finds no cached series, and half a period after each burst the same burst
   goes out with If-None-Match (304s where the server answers them);
 - `--games` games against the tiny model play on: the move latency is the time from
-  POSTing a cell to the websocket message that the model has answered.
+  POSTing a cell to the websocket message that the model has answered (after one
+  warm-up move, before the RL jobs start, in which the inference worker loads the model).
 Prints a table (count, p50, p95, max, errors per measure) and writes the JSON results
 with the machine and the git commit. Everything it started is stopped on the way out, on
 error too. Only loopback addresses are used.
@@ -365,11 +366,14 @@ async def metric_bursts(
         await asyncio.sleep(max(0.0, every - (time.monotonic() - burst_started)))
 
 
-async def game_player(lab: Lab, player: str, until: float, moves: Measure, games: list) -> None:
-    """Play games against `player` until `until`: each time the model is to answer, the
-    latency runs from the cell's POST to the socket's word that the model has moved."""
+async def game_player(
+    lab: Lab, player: str, until: float, moves: Measure, games: list, max_moves: int = 10**9
+) -> None:
+    """Play games against `player` until `until` (or `max_moves` answers): each time the
+    model is to answer, the latency runs from the cell's POST to the socket's word that
+    the model has moved."""
     try:
-        while time.time() < until:
+        while time.time() < until and len(moves.seconds) < max_moves:
             response = await lab.client.post(
                 "/play/api/games/",
                 json={"player": player, "human_mark": "X", "human_starts": True},
@@ -385,7 +389,11 @@ async def game_player(lab: Lab, player: str, until: float, moves: Measure, games
                 url, additional_headers=lab.ws_headers(), origin=lab.base, open_timeout=60
             ) as ws:
                 await ws.recv()  # hello
-                while game["status"] == "human_turn" and time.time() < until:
+                while (
+                    game["status"] == "human_turn"
+                    and time.time() < until
+                    and len(moves.seconds) < max_moves
+                ):
                     free = [i for i, mark in enumerate(game["board"]) if mark == "."]
                     if not free:
                         break
@@ -426,6 +434,16 @@ async def wait_for_model(ws, until: float) -> dict | None:
     return None
 
 
+async def warm_up_play(lab: Lab, player: str, timeout: float) -> float:
+    """Seconds until the model's first move in a game of its own: the inference worker
+    loads the model then, which is not what a move costs afterwards."""
+    moves = Measure()
+    await game_player(lab, player, time.time() + timeout, moves, [], max_moves=1)
+    if not moves.seconds:
+        raise RuntimeError(f"the model never answered a first move: {moves.errors}")
+    return moves.seconds[0]
+
+
 async def cancel_jobs(lab: Lab, job_ids: list[int]) -> dict[int, int | None]:
     """Cancel the RL jobs; returns each one's last step."""
     steps = {}
@@ -456,6 +474,9 @@ async def run_loads(lab: Lab, args, ids: dict, info: dict) -> dict:
     await log_in(lab, connections=2 * args.gets + args.games + 20)
     info["metric_get_alone_cold_s"] = await measure_one_get(lab, ids["finished_job"])
     info["metric_get_alone_warm_s"] = await measure_one_get(lab, ids["finished_job"])
+    player = f"model-{ids['tiny']}"
+    if args.games:
+        info["first_move_after_s"] = await warm_up_play(lab, player, args.start_timeout)
     rl_jobs = await start_rl_jobs(lab, args.rl_jobs, ids)
     info["rl_jobs"] = rl_jobs
     if rl_jobs:
@@ -481,8 +502,7 @@ async def run_loads(lab: Lab, args, ids: dict, info: dict) -> dict:
             metric_bursts(lab, ids["finished_job"], args.gets, args.burst_every, until, measures)
         )
     tasks += [
-        game_player(lab, f"model-{ids['tiny']}", until, measures["move latency"], games)
-        for _ in range(args.games)
+        game_player(lab, player, until, measures["move latency"], games) for _ in range(args.games)
     ]
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.duration + 120)
