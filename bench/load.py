@@ -584,16 +584,24 @@ def main(argv: list[str] | None = None) -> dict:
             info |= {"finished_job_points": ids["points"]}
             results = asyncio.run(run_loads(lab, args, ids, info))
         except BaseException:
-            print(f"run.sh's log ends:\n{lab.log_path.read_text()[-3000:]}", file=sys.stderr)
+            for path in Path(var_dir).glob("*.log"):
+                print(
+                    f"{path.name} ends:\n{path.read_text(errors='replace')[-2000:]}",
+                    file=sys.stderr,
+                )
             raise
         finally:
             stop_lab(lab)
-            run_log = lab.log_path.read_text()
+            # run.sh's own output, then the logs its web server and workers write.
+            logs = "\n".join(
+                f"--- {path.name}\n{path.read_text(errors='replace')}"
+                for path in sorted(
+                    Path(var_dir).glob("*.log"), key=lambda p: (p != lab.log_path, p.name)
+                )
+            )
             if args.keep_log:
-                worker_log = Path(var_dir) / "worker.log"
-                worker = worker_log.read_text() if worker_log.exists() else ""
-                Path(args.keep_log).write_text(f"{run_log}\n--- worker.log\n{worker}")
-    web_workers = run_log.count("Started server process")
+                Path(args.keep_log).write_text(logs)
+    web_workers = logs.count("Started server process")
     print(
         f"lab via scripts/run.sh on {machine()['cores']} cores "
         f"(WEB_CONCURRENCY={os.environ.get('WEB_CONCURRENCY', 'unset')}, "
