@@ -39,16 +39,14 @@ import torch  # noqa: E402
 from tictactoe_mastery import add_output_args, evaluate, teacher_games, warm_up  # noqa: E402
 
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
-from rlcore.train.config import SFTConfig  # noqa: E402
-from rlcore.train.sft import (  # noqa: E402
-    assistant_loss,
-    build_sft_example,
+from rlcore.train.common import (  # noqa: E402
     clip_gradients,
     load_model_and_tokenizer,
-    load_sft_dataset,
     resolve_device,
     save_checkpoint,
 )
+from rlcore.train.config import OptimizerConfig, SFTConfig  # noqa: E402
+from rlcore.train.sft import assistant_loss, build_sft_example, load_sft_dataset  # noqa: E402
 
 
 def batch_loss(model, tokenizer, examples, device) -> torch.Tensor:
@@ -89,8 +87,7 @@ def one_step(
         max_steps=1 + more_steps,
         batch_size=args.batch_size,
         micro_batch_size=args.batch_size,
-        lr=args.lr,
-        lr_schedule="constant",
+        optimizer=OptimizerConfig(lr=args.lr, lr_schedule="constant"),
         seed=args.seed,
     )
     return save_checkpoint(model, tokenizer, step, out)

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from rlcore.evaluate import EvalConfig, run_eval  # noqa: E402
 from rlcore.events import ConsoleSink  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
-from rlcore.train.config import RLConfig, SFTConfig, SynthConfig  # noqa: E402
+from rlcore.train.config import RLConfig, SFTConfig, SynthConfig, build_config  # noqa: E402
 from rlcore.train.grpo import run_rl  # noqa: E402
 from rlcore.train.sft import run_sft  # noqa: E402
 from rlcore.train.synth import run_synth  # noqa: E402
@@ -125,6 +125,11 @@ def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--results", default=str(ROOT / "bench" / "results" / f"{name}.json"))
 
 
+def settings(cls, **values):
+    """A checked config of `cls`; a section's settings may be named alone (`lr`)."""
+    return build_config(cls, [("bench", values)])
+
+
 def teacher_games(teacher: str, games: int, env_args: dict, output_dir: Path) -> dict:
     """`games` games of `teacher` against opponents that blunder half the time or more,
     losses, unfinished games, malformed replies and invalid moves dropped (run_synth's
@@ -159,7 +164,8 @@ def warm_up(
     """SFT of `model` on `dataset` (cosine from `lr` down to `min_lr_ratio` times it);
     returns the final checkpoint directory."""
     return run_sft(
-        SFTConfig(
+        settings(
+            SFTConfig,
             model=model,
             dataset=dataset,
             output_dir=str(output_dir),
@@ -215,7 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="exploring starts: up to this many random moves of each side open an RL game",
     )
-    parser.add_argument("--rl-negative-scale", type=float, default=1.0)
     parser.add_argument(
         "--rl-no-think-loss",
         action="store_true",
@@ -230,71 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
-    )
-    parser.add_argument(
-        "--rl-curriculum-steps",
-        type=int,
-        default=0,
-        help="curriculum: the opponent-strength groups unlock weakest first over this many RL "
-        "steps (0: every batch mixes all strengths)",
-    )
-    parser.add_argument(
-        "--rl-unlikelihood",
-        type=float,
-        default=0.0,
-        help="unlikelihood_below: negative-advantage tokens below this probability are pushed "
-        "down by -|A| log(1 - p) instead of the policy gradient (0: off)",
-    )
-    parser.add_argument(
-        "--rl-unlikelihood-ref-entropy",
-        type=float,
-        default=0.0,
-        help="unlikelihood_ref_entropy: only tokens where the SFT model's entropy was at least "
-        "this many nats are pushed that way (0: any)",
-    )
-    parser.add_argument(
-        "--rl-entropy",
-        type=float,
-        default=0.0,
-        help="entropy bonus weight (entropy_coef): keeps the move choice exploring",
-    )
-    parser.add_argument(
-        "--rl-decision-samples",
-        type=int,
-        default=0,
-        help="decision_samples: moves drawn from the policy at each reply's move digit, each "
-        "scored by the env's per-move reward and trained as a group (0: off)",
-    )
-    parser.add_argument(
-        "--rl-decision-weight",
-        type=float,
-        default=1.0,
-        help="decision_weight: a decision's samples together weigh as one turn times this",
-    )
-    parser.add_argument(
-        "--rl-decision-temperature",
-        type=float,
-        default=0.0,
-        help="decision_temperature: draw the decision samples at this temperature, trained "
-        "as if on-policy (0: the RL sampling temperature)",
-    )
-    parser.add_argument(
-        "--rl-decision-no-scale",
-        action="store_true",
-        help="decision_scale_rewards = false: decision advantages not divided by the std",
-    )
-    parser.add_argument(
-        "--rl-kl-scope",
-        choices=["all", "think", "untrained"],
-        default="all",
-        help="tokens the KL penalty holds: all trained ones, each reply's think block only, or "
-        "every reply token the policy loss leaves out",
-    )
-    parser.add_argument(
-        "--rl-train-scope",
-        choices=["reply", "decision"],
-        default="reply",
-        help="tokens the policy loss trains: the reply, or only its move digit",
     )
     parser.add_argument(
         "--rl-iterations", type=int, default=1, help="clipped updates per batch of rollouts"
@@ -372,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     deadline = pipeline_started + budget_s
     rl_dir = run_rl(
-        RLConfig(
+        settings(
+            RLConfig,
             model=sft_dir,
             env="tictactoe",
             env_args={
@@ -391,25 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             loss_type=args.rl_loss,
             loss_aggregation=args.rl_aggregation,
             advantage=args.rl_advantage,
-            negative_advantage_scale=args.rl_negative_scale,
             turn_reward_weight=args.rl_turn_reward_weight,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
-            kl_scope=args.rl_kl_scope,
-            train_scope=args.rl_train_scope,
-            entropy_coef=args.rl_entropy,
-            decision_samples=args.rl_decision_samples,
-            decision_weight=args.rl_decision_weight,
-            decision_temperature=args.rl_decision_temperature,
-            decision_scale_rewards=not args.rl_decision_no_scale,
-            unlikelihood_below=args.rl_unlikelihood,
-            unlikelihood_ref_entropy=args.rl_unlikelihood_ref_entropy,
-            curriculum_steps=args.rl_curriculum_steps,
-            # Group k holds the k-th bin of random-move probability from low to high, so
-            # the weakest opponents are the last group: unlock them first.
-            curriculum_order=list(reversed(range(env_args["num_groups"])))
-            if args.rl_curriculum_steps
-            else [],
             num_iterations=args.rl_iterations,
             seed=args.seed,
             lr=args.rl_lr,

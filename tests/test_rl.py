@@ -14,15 +14,11 @@ from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.rollout import run_rollouts
-from rlcore.train.config import ConfigError, RLConfig, SFTConfig
-from rlcore.train.grpo import (
-    TRAINER_STATE,
-    build_sequences,
-    curriculum_groups,
-    run_rl,
-    think_length,
-)
+from rlcore.train.common import TRAINER_STATE
+from rlcore.train.config import ConfigError, LossConfig, RLConfig, SFTConfig, build_config
+from rlcore.train.grpo import run_rl
 from rlcore.train.sampling import StratifiedSampler
+from rlcore.train.sequences import build_sequences, think_length, training_sequences
 from rlcore.train.sft import run_sft
 from rlcore.types import Rollout, SamplingParams, Turn
 
@@ -60,7 +56,7 @@ def short_sft(model: str, conversations: list[list[dict]], work, steps: int) -> 
     with (work / "data.jsonl").open("w") as out:
         for messages in conversations:
             out.write(json.dumps({"messages": messages}) + "\n")
-    cfg = SFTConfig(
+    settings = dict(
         model=model,
         dataset=str(work / "data.jsonl"),
         output_dir=str(work / "sft"),
@@ -70,6 +66,7 @@ def short_sft(model: str, conversations: list[list[dict]], work, steps: int) -> 
         lr=3e-3,
         lr_schedule="constant",
     )
+    cfg = build_config(SFTConfig, [("test", settings)])
     return run_sft(cfg, RecordingSink())
 
 
@@ -86,7 +83,7 @@ def rl_config(model: str, tmp_path, **changes) -> RLConfig:
         lr=3e-4,
         max_steps=2,
     )
-    return RLConfig(**{**values, **changes})
+    return build_config(RLConfig, [("test", {**values, **changes})])
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,9 +152,9 @@ def test_a_turn_whose_prompt_does_not_extend_the_sequence_starts_a_new_one():
         ([1, 2, 3, 10, 11, 4, 5, 12], [0, 0, 0, 1, 1, 0, 0, 1]),
         ([1, 2, 3, 10, 99, 4, 5, 12, 6, 13, 14], [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]),
     ]
-    with_logprobs = build_sequences(rollout, with_logprobs=True)
-    assert with_logprobs[0][2] == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3]
-    assert with_logprobs[1][2] is None  # the backend gave no logprobs for that turn
+    first, second = training_sequences(rollout, [1.0, 1.0, 1.0], "token")
+    assert first.sampled_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3]
+    assert second.sampled_logprobs is None  # the backend gave no logprobs for that turn
 
 
 # ---------------------------------------------------------------------------------------
@@ -248,7 +245,7 @@ def test_rl_raises_the_mean_reward_on_reverse_text(half_formatted_model, tmp_pat
     assert len(sink.rollout_batches[0][1]) == cfg.log_rollouts
     assert sink.progress_events[-1] == (40, 40, "rl")
     assert sink.checkpoints == [(40, final)]
-    assert json.loads((tmp_path / "rl" / "config.json").read_text())["lr"] == 3e-4
+    assert json.loads((tmp_path / "rl" / "config.json").read_text())["optimizer"]["lr"] == 3e-4
     reloaded = AutoModelForCausalLM.from_pretrained(final)
     assert reloaded.config.hidden_size == 64
 
@@ -389,16 +386,13 @@ def test_think_length_counts_the_tokens_through_the_closing_think_tag(tiny_model
     assert think_length(no_think, pieces, tokenizer) == 0
 
 
-def test_per_move_rewards_train_tictactoe_on_the_answer_only(tiny_model, tmp_path):
+def test_per_move_rewards_are_reported_on_tictactoe(tiny_model, tmp_path):
     metrics, rollouts = tictactoe_step(
-        tiny_model, tmp_path, advantage="none", turn_reward_weight=1.0, train_think=False
+        tiny_model, tmp_path, advantage="none", turn_reward_weight=1.0
     )
-    # Every reply of the untrained model is invalid: each turn is rewarded 0, the batch's
-    # mean is 0, and nothing is pushed either way.
+    # Every reply of the untrained model is invalid: each turn is rewarded 0.
     assert all(r.state["move_sound"] == [None] * r.num_turns for r in rollouts)
-    assert metrics["reward/turn_mean"] == 0.0
-    assert metrics["tictactoe/sound_move_rate"] == 0.0
-    assert metrics["advantage/zero_turn_rate"] == 1.0
+    assert metrics["reward/turn_mean"] == metrics["tictactoe/sound_move_rate"] == 0.0
 
 
 def test_per_move_rewards_need_an_env_that_gives_them(tiny_model, tmp_path):
@@ -427,131 +421,45 @@ def thinking_model(tiny_model, tmp_path_factory) -> str:
     return short_sft(tiny_model, conversations, tmp_path_factory.mktemp("think"), steps=150)
 
 
-def test_a_think_only_kl_holds_the_think_block_the_loss_skips(thinking_model, tmp_path):
-    metrics, rollouts = tictactoe_step(
-        thinking_model,
-        tmp_path,
-        env_args={"max_turns": 1},
-        train_think=False,
-        beta=0.1,
-        kl_scope="think",
-        num_iterations=2,
-        lr=1e-3,
-        max_tokens=40,
-        micro_batch_size=4,
-    )
-    replies = [r.completion[0]["content"] for r in rollouts]
-    assert sum("</think>" in reply for reply in replies) >= len(replies) // 2, replies
-    # The policy loss trains the move tags only, so a KL measured above 0 after the first
-    # update is on the think blocks: kl_scope "think" put them under the penalty.
-    assert metrics["loss/kl"] > 0
-    assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"] + 0.1 * metrics["loss/kl"])
+def test_train_think_off_leaves_the_think_block_out_of_the_gradient(thinking_model, tmp_path):
+    """On and off on the same real replies: with train_think off the policy loss has no
+    gradient on any think-block token and the same gradient on the rest."""
+    from rlcore.train.grpo import policy_loss, token_logprobs
+    from rlcore.train.sequences import collate
 
-
-def test_an_entropy_bonus_is_reported_and_lowers_the_total_loss(half_formatted_model, tmp_path):
-    cfg = rl_config(half_formatted_model, tmp_path, entropy_coef=0.5, max_steps=1)
-    sink = RecordingSink()
-    run_rl(cfg, sink)
-    ((_, metrics),) = sink.metrics
-    assert metrics["loss/entropy_bonus"] > 0
-    assert metrics["loss/total"] == pytest.approx(
-        metrics["loss/policy"] - 0.5 * metrics["loss/entropy_bonus"]
-    )
-    with pytest.raises(ConfigError, match="entropy_coef must be >= 0"):
-        rl_config(half_formatted_model, tmp_path, entropy_coef=-0.1).validate()
-
-
-def test_a_curriculum_unlocks_groups_in_its_order_over_its_steps():
-    cfg = RLConfig(curriculum_steps=8, curriculum_order=[3, 2, 1, 0])
-    assert [curriculum_groups(cfg, 4, step) for step in (1, 2, 3, 5, 7, 9, 50)] == [
-        [3],
-        [3],
-        [3, 2],
-        [3, 2, 1],
-        [3, 2, 1, 0],
-        [3, 2, 1, 0],
-        [3, 2, 1, 0],
+    _, rollouts = tictactoe_step(thinking_model, tmp_path, env_args={"max_turns": 1},
+                                 max_tokens=40, log_rollouts=16)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(thinking_model)
+    tokenizer = AutoTokenizer.from_pretrained(thinking_model)
+    pieces: dict[int, str] = {}
+    thinking = [
+        r for r in rollouts if think_length(r.turns[0].completion_ids, pieces, tokenizer) > 0
     ]
-    assert curriculum_groups(RLConfig(), 3, 1) == [0, 1, 2]
-    with pytest.raises(ValueError, match=r"must list each of the env's 4 groups \(0..3\) once"):
-        curriculum_groups(RLConfig(curriculum_order=[0, 1, 2]), 4, 1)
-    with pytest.raises(ConfigError, match="curriculum_order lists a group twice"):
-        RLConfig(curriculum_order=[1, 1]).validate()
-    with pytest.raises(ConfigError, match="curriculum_steps must be >= 0"):
-        RLConfig(curriculum_steps=-1).validate()
+    assert thinking, [r.completion for r in rollouts]
 
+    def gradient(train_think: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        sequences = []
+        for rollout in thinking:
+            thinks = (
+                None
+                if train_think
+                else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
+            )
+            sequences += training_sequences(rollout, [1.0] * len(rollout.turns), "token", thinks)
+        input_ids, attention, weights, advantages = collate(
+            sequences, tokenizer.pad_token_id, "cpu"
+        )
+        logprobs, _ = token_logprobs(model, input_ids, attention, 1.0)
+        logprobs = logprobs.detach().requires_grad_(True)
+        loss, _ = policy_loss(
+            logprobs, logprobs.detach(), None, advantages, weights, LossConfig(), 1.0
+        )
+        loss.backward()
+        return logprobs.grad, weights
 
-def test_the_sampler_deals_only_the_groups_it_is_given():
-    env = load_environment("tictactoe", num_groups=4)
-    sampler = StratifiedSampler(env, seed=0, examples_per_step=6)
-    assert {e.group for e in sampler.next_batch([3])} == {3}
-    batch = sampler.next_batch([3, 2])
-    assert sorted(e.group for e in batch) == [2, 2, 2, 3, 3, 3]
-    assert len({e.id for e in batch}) == 6
-    with pytest.raises(ValueError, match="groups must be a non-empty subset of 0..3"):
-        sampler.next_batch([4])
-
-
-def test_tictactoe_training_follows_the_curriculum(tiny_model, tmp_path):
-    metrics, rollouts = tictactoe_step(
-        tiny_model, tmp_path, curriculum_steps=4, curriculum_order=[1, 0]
-    )
-    # Step 1 of 4 with 2 groups: only the first group of the order is dealt.
-    assert metrics["curriculum/groups"] == 1.0
-    assert {r.group for r in rollouts} == {1}
-
-
-def test_unlikelihood_on_the_reference_s_decisions_runs_without_a_kl(
-    half_formatted_model, tmp_path
-):
-    cfg = rl_config(
-        half_formatted_model,
-        tmp_path,
-        unlikelihood_below=0.99,
-        unlikelihood_ref_entropy=0.3,
-        max_steps=1,
-    )
-    sink = RecordingSink()
-    run_rl(cfg, sink)
-    ((_, metrics),) = sink.metrics
-    # The reference is loaded for its entropies only: no KL term with beta 0.
-    assert metrics["loss/kl"] == 0.0
-    assert 0.0 <= metrics["policy/unlikelihood_fraction"] < 1.0
-    assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"])
-
-
-def test_decision_sampling_trains_the_move_digit_and_holds_the_rest(thinking_model, tmp_path):
-    metrics, rollouts = tictactoe_step(
-        thinking_model,
-        tmp_path,
-        env_args={"max_turns": 1},
-        decision_samples=8,
-        decision_temperature=2.0,
-        train_scope="decision",
-        kl_scope="untrained",
-        beta=0.1,
-        num_iterations=2,
-        lr=1e-3,
-        max_tokens=40,
-        micro_batch_size=4,
-        log_rollouts=16,
-    )
-    assert len(rollouts) == 16  # the whole batch
-    moves = [r for r in rollouts if "<move>" in r.completion[0]["content"]]
-    assert moves, [r.completion[0]["content"] for r in rollouts]
-    # One group of 8 answers per reply with a move tag, drawn in each of the 2 updates
-    # (groups are reported per update); each answer scored 0 or 1 by the board's solver.
-    assert metrics["decision/groups"] == len(moves)
-    assert 0.0 < metrics["decision/reward_mean"] < 1.0
-    assert 0.0 <= metrics["decision/zero_group_rate"] < 1.0
-    assert metrics["optim/grad_norm"] > 0
-    # The policy loss trains the digits only; the KL after the first update is on the
-    # rest of the replies, which kl_scope "untrained" holds.
-    assert metrics["loss/kl"] > 0
-    assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"] + 0.1 * metrics["loss/kl"])
-
-
-def test_decision_sampling_needs_an_env_that_names_decisions(tiny_model, tmp_path):
-    for changes in ({"decision_samples": 4}, {"train_scope": "decision"}):
-        with pytest.raises(ValueError, match="'reverse_text' does not"):
-            run_rl(rl_config(tiny_model, tmp_path, **changes), RecordingSink())
+    on, on_weights = gradient(True)
+    off, off_weights = gradient(False)
+    think = (on_weights > 0) & (off_weights == 0)  # tokens of the think blocks
+    assert think.any()
+    assert (on[think] != 0).all() and (off[think] == 0).all()
+    assert torch.equal(on[off_weights > 0], off[off_weights > 0])

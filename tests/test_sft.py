@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.policy.tiny import ensure_tiny_model
-from rlcore.train.config import SFTConfig, SynthConfig
+from rlcore.train.config import OptimizerConfig, SFTConfig, SynthConfig
 from rlcore.train.sft import build_sft_example, load_sft_dataset, run_sft
 from rlcore.train.synth import drop_reason, run_synth
 from rlcore.types import Rollout, SamplingParams
@@ -153,9 +153,8 @@ def test_sft_lowers_the_loss_and_saves_a_loadable_checkpoint(tiny_model, tmp_pat
         max_steps=40,
         batch_size=8,
         micro_batch_size=4,
-        lr=5e-3,
-        warmup_steps=2,
         save_every=20,
+        optimizer=OptimizerConfig(lr=5e-3, warmup_steps=2),
     )
     sink = RecordingSink()
     final = run_sft(cfg, sink)
@@ -170,7 +169,12 @@ def test_sft_lowers_the_loss_and_saves_a_loadable_checkpoint(tiny_model, tmp_pat
     assert sink.checkpoints == [(20, str(tmp_path / "sft" / "step_000020")), (40, final)]
     assert sink.progress_events[-1] == (40, 40, "sft")
     assert json.loads((tmp_path / "sft" / "config.json").read_text())["max_steps"] == 40
-    assert json.loads((tmp_path / "sft" / "final" / "train_config.json").read_text())["lr"] == 5e-3
+    assert (
+        json.loads((tmp_path / "sft" / "final" / "train_config.json").read_text())["optimizer"][
+            "lr"
+        ]
+        == 5e-3
+    )
 
     engine = LocalEngine(final, device="cpu")
     prompt = [{"role": "user", "content": "Board 3"}]

@@ -114,8 +114,9 @@ def execute(job: Job, sink: DatabaseSink) -> tuple[dict | None, dict]:
     ApiKey.check_use(base_url=config.get("base_url"), env_var=config.get("api_key_env"))
     if job.kind == Job.Kind.EVAL:
         from rlcore.evaluate import EvalConfig, format_summary, run_eval
+        from rlcore.train.config import build_config
 
-        outcome = run_eval(EvalConfig(**config), sink)
+        outcome = run_eval(build_config(EvalConfig, [("job config", config)]), sink)
         report = format_summary(outcome.summary, outcome.baselines or None)
         return outcome.summary, {
             "out_dir": outcome.out_dir,
@@ -123,22 +124,22 @@ def execute(job: Job, sink: DatabaseSink) -> tuple[dict | None, dict]:
             "baselines": outcome.baselines,
         }
     if job.kind == Job.Kind.SYNTH:
-        from rlcore.train.config import SynthConfig
+        from rlcore.train.config import SynthConfig, build_config
         from rlcore.train.synth import run_synth
 
-        stats = run_synth(SynthConfig(**config), sink)
+        stats = run_synth(build_config(SynthConfig, [("job config", config)]), sink)
         return stats, stats
     if job.kind == Job.Kind.SFT:
-        from rlcore.train.config import SFTConfig
+        from rlcore.train.config import SFTConfig, build_config
         from rlcore.train.sft import run_sft
 
-        path = run_sft(SFTConfig(**config), sink)
+        path = run_sft(build_config(SFTConfig, [("job config", config)]), sink)
         return dict(sink.last_metrics), {"checkpoint": path}
     if job.kind == Job.Kind.RL:
-        from rlcore.train.config import RLConfig
+        from rlcore.train.config import RLConfig, build_config
         from rlcore.train.grpo import run_rl
 
-        path = run_rl(RLConfig(**config), sink)
+        path = run_rl(build_config(RLConfig, [("job config", config)]), sink)
         return dict(sink.last_metrics), {"checkpoint": path}
     raise ValueError(f"job {job.pk} has unknown kind {job.kind!r}; expected eval, synth, sft or rl")
 

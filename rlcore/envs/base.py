@@ -195,19 +195,6 @@ class Environment(ABC):
         credits each turn with its own reward on top of the episode's."""
         return None
 
-    def decision_offset(self, reply: str) -> int | None:
-        """Where in a model reply its decision starts (a character offset), or None (the
-        default: the env names no decision, or this reply has none). Tic-tac-toe: the
-        first character inside the last `<move>` tag. RL's `decision_samples` samples
-        other tokens there and asks `score_decision` what each would have earned."""
-        return None
-
-    def score_decision(self, rollout: Rollout, turn_index: int, reply: str) -> float | None:
-        """The per-turn reward (`turn_rewards`) turn `turn_index` of `rollout` would have
-        earned had the model replied `reply` instead, judged in the same position; None
-        (the default) when the env cannot say."""
-        return None
-
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are
         reported per value of each label."""

@@ -678,39 +678,6 @@ class TicTacToeEnv(MultiTurnEnv):
             for s, t in zip(sound, thinks, strict=True)
         ]
 
-    def decision_offset(self, reply: str) -> int | None:
-        """The first character inside the reply's last `<move>` tag after its think
-        block (the tag `parse_move` reads), skipping spaces; None without such a tag."""
-        text = reply or ""
-        think_end = text.rfind("</think>")
-        start = text.rfind("<move>", think_end + 1 if think_end >= 0 else 0)
-        if start < 0:
-            return None
-        offset = start + len("<move>")
-        while offset < len(text) and text[offset].isspace():
-            offset += 1
-        return offset if offset < len(text) else None
-
-    def score_decision(self, rollout: Rollout, turn_index: int, reply: str) -> float | None:
-        """`turn_rewards` for `reply` made at turn `turn_index`: 1 for a sound move on
-        that turn's board, 0 for any other (a taken cell, no number), plus `think_reward`
-        when its think block reads the board right. The board comes from the turn's
-        `decision_key`; None when the turn has none or the rollout no model mark."""
-        if not 0 <= turn_index < len(rollout.turns):
-            return None
-        key = rollout.turns[turn_index].state_key
-        mark = rollout.state.get("model_mark") or rollout.info.get("model_mark")
-        if not key or mark not in MARKS:
-            return None
-        board = key.split("/", 1)[0]
-        cell, error = parse_move(reply, board)
-        reward = 1.0 if error is None and cell in sound_moves(board, mark) else 0.0
-        if self.config["think_reward"] and _think_parser.think(reply) == think_text(
-            board, mark, self.config["reasoning"]
-        ):
-            reward += self.config["think_reward"]
-        return reward
-
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         source = rollout.info if "model_mark" in rollout.info else rollout.state
         if "model_mark" not in source:

@@ -20,7 +20,14 @@ from pathlib import Path
 from rlcore.envs.base import ParamError
 from rlcore.events import ConsoleSink
 from rlcore.policy.base import PolicyError
-from rlcore.train.config import ConfigError, RLConfig, SFTConfig, SynthConfig, load_config
+from rlcore.train.config import (
+    ConfigError,
+    RLConfig,
+    SFTConfig,
+    SynthConfig,
+    config_schema,
+    load_config,
+)
 
 PROG = "python -m rlcore"
 USAGE_ERROR = 2
@@ -70,7 +77,7 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG} {kind}",
         description=(CONFIGS[kind].__doc__ or "").split("\n\n")[0],
-        epilog="Fields: " + ", ".join(f.name for f in CONFIGS[kind].__dataclass_fields__.values()),
+        epilog="Fields: " + ", ".join(row["name"] for row in config_schema(CONFIGS[kind])),
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config (see recipes/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override one field")

@@ -12,7 +12,7 @@ the seed, so a resumed run draws exactly the batches it would have drawn.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from rlcore.envs.base import Environment
 from rlcore.types import Example
@@ -41,17 +41,12 @@ class StratifiedSampler:
         while True:
             yield self.next_batch()
 
-    def next_batch(self, groups: Sequence[int] | None = None) -> list[Example]:
-        """The next batch, dealt round robin over `groups` (default: every group; a
-        curriculum passes the groups unlocked so far, in its order)."""
-        groups = list(range(self.num_groups)) if groups is None else list(groups)
-        if not groups or any(not 0 <= g < self.num_groups for g in groups):
-            raise ValueError(f"groups must be a non-empty subset of 0..{self.num_groups - 1}")
+    def next_batch(self) -> list[Example]:
+        """The next batch, dealt round robin over the env's groups."""
         batch = []
         for offset in range(self.examples_per_step):
-            group = groups[(self.first_group + offset) % len(groups)]
-            batch.append(self._take(group))
-        self.first_group = (self.first_group + self.examples_per_step) % len(groups)
+            batch.append(self._take((self.first_group + offset) % self.num_groups))
+        self.first_group = (self.first_group + self.examples_per_step) % self.num_groups
         return batch
 
     def _take(self, group: int) -> Example:

@@ -9,138 +9,35 @@ environment. The loop is plain PyTorch: AdamW, linear warm-up then cosine or con
 decay, gradient accumulation over micro-batches sorted by length, gradient clipping,
 bf16 autocast on CUDA, checkpoints in Hugging Face format.
 
-The model loading, learning-rate schedule and checkpoint helpers here are shared with the
-RL trainer (`grpo.py`).
+Model loading, the optimizer and its schedule, and checkpoints come from
+`rlcore.train.common`, shared with the RL trainer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rlcore.events import EventSink, NullSink
+from rlcore.train.common import (
+    autocast,
+    build_optimizer,
+    checkpoint_dir,
+    clip_gradients,
+    load_model_and_tokenizer,
+    pad_batch,
+    resolve_device,
+    save_checkpoint,
+    seed_everything,
+)
 from rlcore.train.config import SFTConfig, save_config
 from rlcore.types import Message
-
-# ---------------------------------------------------------------------------------------
-# Shared helpers: device, seeding, model loading, schedule, checkpoints
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` -> cuda when available else cpu; `cuda` without a GPU is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device='cuda' was asked for but no CUDA GPU is available; use auto or cpu"
-        )
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
-    return torch.device(name)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA (weights stay fp32 for the optimizer); nothing on CPU."""
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def model_path(model: str) -> str:
-    """`tiny` -> the built-in tiny model's directory (built on first use); else unchanged."""
-    if model == "tiny":
-        from rlcore.policy.tiny import ensure_tiny_model
-
-        return ensure_tiny_model()
-    return model
-
-
-def load_model_and_tokenizer(model: str, device: torch.device):
-    """A trainable fp32 causal LM and its tokenizer from `tiny`, a directory or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = model_path(model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        network = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"cannot load model {model!r} (looked for {path!r}): accepted are `tiny`, a "
-            f"checkpoint directory with config.json, or a Hugging Face hub id ({exc})"
-        ) from exc
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return network.to(device), tokenizer
-
-
-def lr_factor(update: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):
-    """Learning-rate multiplier for optimizer update `update` (0-based)."""
-    if warmup_steps and update < warmup_steps:
-        return (update + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (update - warmup_steps) / decay_steps)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model, cfg, total_updates: int):
-    """AdamW and its LambdaLR schedule (warm-up then cfg.lr_schedule) for `cfg`."""
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        betas=(0.9, 0.95),
-        eps=cfg.adam_eps,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda update: lr_factor(
-            update,
-            warmup_steps=cfg.warmup_steps,
-            total_steps=total_updates,
-            schedule=cfg.lr_schedule,
-            min_ratio=cfg.min_lr_ratio,
-        ),
-    )
-    return optimizer, scheduler
-
-
-def clip_gradients(model, max_norm: float) -> float:
-    """Clip the global gradient norm (0: only measure it) and return the norm before."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return float(norm)
-
-
-def save_checkpoint(model, tokenizer, cfg, path: str | Path) -> str:
-    """Model and tokenizer via save_pretrained, plus the run's config as train_config.json
-    (config.json in a checkpoint is the model's own config)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    save_config(cfg, path, name="train_config.json")
-    return str(path)
-
-
-def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / f"step_{step:06d}"
-
 
 # ---------------------------------------------------------------------------------------
 # Data
@@ -240,11 +137,6 @@ def build_sft_example(
     return input_ids[:max_seq_len], loss_mask[:max_seq_len]
 
 
-def pad_batch(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
-    width = max(len(s) for s in sequences)
-    return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
-
-
 def assistant_loss(
     model, examples: list[tuple[list[int], list[int]]], pad_id: int, device, normalizer: float
 ) -> torch.Tensor:
@@ -308,7 +200,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
 
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    optimizer, scheduler = build_optimizer(model, cfg, total_steps)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer, total_steps)
     order_rng = random.Random(cfg.seed)
     order: list[int] = []
     lengths = [len(ids) for ids, _ in examples]
@@ -354,7 +246,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
             total_loss += loss.item()
             seen_tokens += sum(len(ids) for ids, _ in chunk_examples)
 
-        grad_norm = clip_gradients(model, cfg.max_grad_norm)
+        grad_norm = clip_gradients(model, cfg.optimizer.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

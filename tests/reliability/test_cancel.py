@@ -17,8 +17,9 @@ from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.train import grpo, sft
-from rlcore.train.config import RLConfig, SFTConfig
-from rlcore.train.grpo import TRAINER_STATE, run_rl
+from rlcore.train.common import TRAINER_STATE
+from rlcore.train.config import OptimizerConfig, RLConfig, SFTConfig, build_config
+from rlcore.train.grpo import run_rl
 from rlcore.train.sft import run_sft
 
 TICTACTOE = {"max_turns": 2, "num_groups": 2}
@@ -49,7 +50,7 @@ def rl_config(model: str, output_dir, **changes) -> RLConfig:
         max_steps=3,
         device="cpu",
     )
-    return RLConfig(**{**values, **changes})
+    return build_config(RLConfig, [("test", {**values, **changes})])
 
 
 class StopWhen(RecordingSink):
@@ -80,12 +81,14 @@ def engines(monkeypatch) -> list[LocalEngine]:
 
 @pytest.fixture
 def forward_passes(monkeypatch) -> list[int]:
-    """How many training forward passes (micro-batches) ran, by counting token_logprobs."""
+    """How many training forward passes (micro-batches of the update) ran, by counting
+    token_logprobs calls with gradients on (the no-grad scoring pass is not one)."""
     calls: list[int] = []
     original = grpo.token_logprobs
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        if torch.is_grad_enabled():
+            calls.append(1)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(grpo, "token_logprobs", counted)
@@ -135,10 +138,10 @@ def test_a_stop_between_micro_batches_drops_the_step_without_an_optimizer_step(
     tiny_model, tmp_path, forward_passes
 ):
     sink = StopWhen(lambda: len(forward_passes) >= 1)
-    path = run_rl(rl_config(tiny_model, tmp_path / "rl", entropy_coef=0.1), sink)
+    path = run_rl(rl_config(tiny_model, tmp_path / "rl", beta=0.1), sink)
 
-    # An entropy bonus trains every sequence: 8 rollouts in micro-batches of 2 is at least
-    # 4 forward passes for a full step; one ran.
+    # A KL term trains every sequence: 8 rollouts in micro-batches of 2 is at least 4
+    # forward passes for a full step; one ran.
     assert forward_passes == [1]
     assert sink.metrics == [] and sink.progress_events == []
     assert path.endswith("step_000000") and sink.checkpoints == [(0, path)]
@@ -153,7 +156,7 @@ def test_a_stop_between_micro_batches_drops_the_step_without_an_optimizer_step(
 def test_a_run_resumed_after_a_mid_step_stop_plays_the_dropped_step_as_if_never_stopped(
     tiny_model, tmp_path, forward_passes
 ):
-    changes = dict(max_steps=2, save_every=1, entropy_coef=0.1)
+    changes = dict(max_steps=2, save_every=1, beta=0.1)
     full = RecordingSink()
     run_rl(rl_config(tiny_model, tmp_path / "full", **changes), full)
 
@@ -197,7 +200,7 @@ def test_a_stop_in_a_later_update_of_the_step_saves_no_half_updated_state(
 
     monkeypatch.setattr(grpo, "clip_gradients", counted)
     sink = StopWhen(lambda: bool(optimizer_steps))
-    cfg = rl_config(tiny_model, tmp_path / "rl", num_iterations=2, entropy_coef=0.1)
+    cfg = rl_config(tiny_model, tmp_path / "rl", num_iterations=2, beta=0.1)
     path = run_rl(cfg, sink)
     assert optimizer_steps == [1]
     assert path is None and sink.checkpoints == [] and sink.metrics == []
@@ -228,7 +231,7 @@ def test_sft_stops_between_micro_batches_without_stepping_on_a_partial_batch(
         max_steps=3,
         batch_size=8,
         micro_batch_size=2,
-        lr=1e-2,
+        optimizer=OptimizerConfig(lr=1e-2),
         device="cpu",
     )
     path = run_sft(cfg, sink)

@@ -15,8 +15,9 @@ import torch
 
 from rlcore.events import RecordingSink
 from rlcore.policy.tiny import ensure_tiny_model
-from rlcore.train.config import RLConfig
-from rlcore.train.grpo import TRAINER_STATE, random_states, restore_random_states, run_rl
+from rlcore.train.common import TRAINER_STATE, random_states, restore_random_states
+from rlcore.train.config import RLConfig, build_config
+from rlcore.train.grpo import run_rl
 
 
 class WritesMarker:
@@ -59,7 +60,7 @@ def rl_config(model: str, output_dir, **changes) -> RLConfig:
         max_steps=1,
         device="cpu",
     )
-    return RLConfig(**{**values, **changes})
+    return build_config(RLConfig, [("test", {**values, **changes})])
 
 
 def test_a_saved_trainer_state_loads_with_weights_only_and_resumes(model, checkpoint, tmp_path):

@@ -7,7 +7,7 @@ fails the test where it happens."""
 
 import pytest
 
-from webapp.jobs.forms import JobForm
+from tests.web.conftest import job_form_data
 from webapp.jobs.models import Job
 
 pytestmark = pytest.mark.django_db
@@ -74,15 +74,12 @@ def test_the_api_refuses_what_the_form_refuses(alice, alice_client, lab, setting
     option = next(iter(settings_.get("options", {})), None)
     if option in ("max_steps", "max_tokens", "seed", "lr"):
         # The form says no to the same value, under the same field.
-        fields = JobForm(kind="rl", user=alice).fields
-        data = {name: f.initial for name, f in fields.items() if f.initial is not None}
-        data |= {"env_config": lab["ttt"], "model": lab["tiny"]}
-        form = alice_client.post(
-            "/jobs/new/?kind=rl", data | {option: settings_["options"][option]}
-        )
+        data = job_form_data(alice, "rl", env_config=lab["ttt"], model=lab["tiny"])
+        name = {"lr": "optimizer__lr", "max_tokens": "sampling__max_tokens"}.get(option, option)
+        form = alice_client.post("/jobs/new/?kind=rl", data | {name: settings_["options"][option]})
         assert alice_client.post("/jobs/new/?kind=rl", data).status_code == 302  # the control
         assert form.status_code == 200
-        assert option in form.context["form"].errors
+        assert name in form.context["form"].errors
 
 
 def test_hostile_env_config_forms_are_form_errors(alice_client):

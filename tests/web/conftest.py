@@ -96,6 +96,17 @@ def carol(django_user_model):
     return django_user_model.objects.create_user("carol", password="carol-password", is_staff=True)
 
 
+def job_form_data(user, kind: str, **changes) -> dict:
+    """A full post of the job form of `kind` as the page renders it (every setting at its
+    initial value), with `changes` (form field names) on top."""
+    from webapp.jobs.forms import JobForm
+
+    fields = JobForm(kind=kind, user=user).fields
+    data = {name: field.initial for name, field in fields.items() if field.initial is not None}
+    data = {name: value for name, value in data.items() if value is not False}  # unticked
+    return {"kind": kind, **data, **changes}
+
+
 def client_for(user) -> Client:
     client = Client()
     client.force_login(user)

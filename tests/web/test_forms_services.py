@@ -3,10 +3,10 @@ names, job configs and queues."""
 
 import pytest
 from django.core.exceptions import ValidationError
-from django.db import connection
 
+from rlcore.train.config import BOUNDS, RLConfig, config_schema
 from webapp.jobs import services
-from webapp.jobs.forms import EnvConfigForm, JobForm
+from webapp.jobs.forms import NOT_IN_FORM, EnvConfigForm, JobForm
 from webapp.jobs.models import ApiKey, EnvironmentConfig, Job, ModelEntry
 
 pytestmark = pytest.mark.django_db
@@ -133,13 +133,20 @@ def test_an_endpoint_picks_a_declared_key_by_name_and_only_for_its_url(alice_cli
 
 def test_job_form_defaults_come_from_the_kind(alice):
     form = JobForm(kind="rl", user=alice)
-    assert form.fields["loss_type"].initial in ("grpo", "cispo", "dr_grpo")
-    assert "beta" in form.fields and "save_every" in form.fields
+    assert form.fields["loss__type"].initial in ("grpo", "cispo", "dr_grpo")
+    assert "loss__beta" in form.fields and "save_every" in form.fields
     assert "num_examples" not in form.fields
     # The recipe's credit assignment is the form's default; both estimators are offered.
     assert form.fields["advantage"].initial == "tree"
     assert [value for value, _ in form.fields["advantage"].choices] == ["group", "tree", "none"]
-    assert form.fields["loss_aggregation"].initial == "turn"
+    assert form.fields["loss__aggregation"].initial == "turn"
+    # Bounds and help come from rlcore's config: one place, no copy in the web code.
+    assert form.fields["optimizer__lr"].max_value == BOUNDS["lr"][1]
+    assert "peak learning rate" in form.fields["optimizer__lr"].help_text
+    # Every setting of the config class is in the form, featured or under "All settings".
+    names = {row["name"] for row in config_schema(RLConfig)} - NOT_IN_FORM
+    assert {f.name.replace("__", ".") for f in [*form.kind_fields, *form.more_fields,
+            *form.common_fields[2:]]} == names  # fmt: skip
 
 
 def test_env_form_leaves_a_blank_number_or_a_missing_choice_at_its_default():
@@ -188,7 +195,8 @@ def test_job_create_stores_the_resolved_config_and_picks_the_queue(
     assert job.config["env"] == "tictactoe" and job.config["env_args"]["max_turns"] == 6
     assert job.config["batch_size"] == 4 and job.config["model"] == "tiny"
     assert job.config["output_dir"].endswith(f"job-{job.pk}")
-    assert "lr" in job.config and "clip_eps_high" in job.config  # every field, resolved
+    # Every setting resolved, sections as nested tables.
+    assert job.config["optimizer"]["lr"] > 0 and "clip_eps_high" in job.config["loss"]
 
 
 def test_rlcores_own_validation_becomes_a_form_error(alice, ttt_config, tiny):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from django.contrib.staticfiles import finders
 
+from tests.web.conftest import job_form_data
 from webapp.jobs.models import EnvironmentConfig, Job, ModelEntry, Rollout
 
 pytestmark = pytest.mark.django_db
@@ -80,11 +81,11 @@ def test_the_job_form_has_a_tab_per_kind_with_recipe_defaults(alice_client, ttt_
         "max_steps",
         "batch_size",
         "rollouts_per_example",
-        "loss_type",
+        "loss__type",
         "advantage",
-        "loss_aggregation",
-        "lr",
-        "beta",
+        "loss__aggregation",
+        "optimizer__lr",
+        "loss__beta",
         "save_every",
     ):
         assert f'name="{field}"' in html, field
@@ -93,11 +94,10 @@ def test_the_job_form_has_a_tab_per_kind_with_recipe_defaults(alice_client, ttt_
 
 
 def test_submitting_the_job_form_queues_a_job(
-    alice_client, ttt_config, oracle, django_capture_on_commit_callbacks
+    alice, alice_client, ttt_config, oracle, django_capture_on_commit_callbacks
 ):
-    data = {"kind": "eval", "env_config": ttt_config.pk, "model": oracle.pk, "device": "auto", "seed": "3",
-            "num_examples": "5", "rollouts_per_example": "2", "max_tokens": "24", "temperature": "0.5",
-            "concurrency": "4"}  # fmt: skip
+    data = job_form_data(alice, "eval", env_config=ttt_config.pk, model=oracle.pk, seed="3",
+                         num_examples="5", rollouts_per_example="2", max_tokens="24")  # fmt: skip
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         response = alice_client.post("/jobs/new/", data)
     job = Job.objects.get()
@@ -107,10 +107,8 @@ def test_submitting_the_job_form_queues_a_job(
     )
 
 
-def test_job_form_errors_are_shown(alice_client, ttt_config, oracle):
-    data = {"kind": "rl", "env_config": ttt_config.pk, "model": oracle.pk, "device": "auto", "seed": "0",
-            "max_steps": "2", "batch_size": "4", "rollouts_per_example": "2", "loss_type": "grpo", "loss_aggregation": "sequence", "advantage": "group",
-            "lr": "0.0001", "temperature": "1", "max_tokens": "24", "save_every": "0", "beta": "0"}  # fmt: skip
+def test_job_form_errors_are_shown(alice, alice_client, ttt_config, oracle):
+    data = job_form_data(alice, "rl", env_config=ttt_config.pk, model=oracle.pk)
     html = alice_client.post("/jobs/new/", data).content.decode()
     assert 'data-testid="error-model"' in html and "trains local weights" in html
     assert not Job.objects.exists()

@@ -12,17 +12,12 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from rlcore.envs import ParamError, get_env_class
-from rlcore.train.config import ADVANTAGES, BOUNDS, LOSS_AGGREGATIONS, LOSS_TYPES
+from rlcore.train.config import config_schema
 from webapp.jobs import services
 from webapp.jobs.models import ApiKey, EnvironmentConfig, ModelEntry
 from webapp.jobs.validation import looks_like_secret
 
 PARAM_PREFIX = "param_"
-DEVICES = [
-    ("auto", "auto (cuda when the worker has it)"),
-    ("cpu", "cpu"),
-    ("cuda", "cuda (gpu queue)"),
-]
 
 
 class ServiceErrorsMixin:
@@ -188,127 +183,74 @@ class ModelEntryForm(ServiceErrorsMixin, forms.Form):
             )
 
 
-def _number(label: str, *, name: str, required=True, integer=True, help_text=""):
-    """A number field for config setting `name`, bounded as rlcore's config.BOUNDS says
-    (the one place a setting's range is kept: the JSON API checks the same)."""
-    minimum, maximum = BOUNDS[name]
-    if integer:
+# The settings each kind shows first; every other setting of its config class appears
+# under "All settings" by itself, built from the class's schema (type, bounds, choices,
+# help), so a new config field needs no web code.
+FEATURED = {
+    "eval": ["num_examples", "rollouts_per_example", "max_tokens", "temperature", "concurrency", "baselines"],
+    "synth": ["num_examples", "rollouts_per_example", "max_kept", "temperature", "max_tokens",
+              "exclude_outcomes", "min_reward", "require_format", "max_invalid_moves"],
+    "sft": ["dataset", "epochs", "max_steps", "optimizer.lr", "batch_size", "micro_batch_size",
+            "max_seq_len", "save_every"],
+    "rl": ["max_steps", "batch_size", "rollouts_per_example", "advantage", "turn_reward_weight",
+           "optimizer.lr", "sampling.temperature", "sampling.max_tokens", "loss.type",
+           "loss.aggregation", "loss.beta", "save_every"],
+}  # fmt: skip
+COMMON = ["device", "seed"]
+# Settings the lab decides (services.LAB_KEYS) or the job's pickers give.
+NOT_IN_FORM = {*services.LAB_KEYS, "env", "env_args"}
+
+
+def setting_field(row: dict) -> forms.Field:
+    """The form field for one config setting of `config_schema`."""
+    label = row["name"].replace(".", " · ").replace("_", " ")
+    optional = row["type"].endswith("| None")
+    common = {"label": label, "help_text": row["help"], "required": not optional}
+    if optional:
+        common["help_text"] += " (blank: none)"
+    if row["choices"]:
+        return forms.ChoiceField(choices=[(c, c) for c in row["choices"]], **common)
+    if row["type"] == "bool":
+        return forms.BooleanField(**common | {"required": False})
+    if row["type"].startswith("int"):
+        low, high = row["min"], row["max"]
         return forms.IntegerField(
-            label=label,
-            min_value=int(minimum),
-            max_value=int(maximum),
-            required=required,
-            help_text=help_text,
+            min_value=None if low is None else int(low),
+            max_value=None if high is None else int(high),
+            **common,
         )
-    return forms.FloatField(
-        label=label,
-        min_value=minimum,
-        max_value=maximum,
-        required=required,
-        help_text=help_text,
-        widget=forms.NumberInput(attrs={"step": "any"}),
+    if row["type"].startswith("float"):
+        return forms.FloatField(
+            min_value=row["min"],
+            max_value=row["max"],
+            widget=forms.NumberInput(attrs={"step": "any"}),
+            **common,
+        )
+    if row["type"].startswith("list"):
+        common["help_text"] += " (comma-separated)"
+        return forms.CharField(**common | {"required": False})
+    return forms.CharField(
+        max_length=500, **common | {"required": not optional and row["default"] != ""}
     )
 
 
-KIND_FIELDS = {
-    "eval": {
-        "num_examples": lambda: _number("examples", name="num_examples"),
-        "rollouts_per_example": lambda: _number(
-            "rollouts per example", name="rollouts_per_example"
-        ),
-        "max_tokens": lambda: _number("max tokens per reply", name="max_tokens"),
-        "temperature": lambda: _number("temperature", name="temperature", integer=False),
-        "concurrency": lambda: _number("concurrency", name="concurrency"),
-        "baselines": lambda: forms.BooleanField(
-            required=False, label="baselines", help_text="Also play random, oracle and constant."
-        ),
-    },
-    "synth": {
-        "num_examples": lambda: _number("examples", name="num_examples"),
-        "rollouts_per_example": lambda: _number(
-            "rollouts per example", name="rollouts_per_example"
-        ),
-        "max_kept": lambda: _number("stop after keeping", name="max_kept", required=False),
-        "temperature": lambda: _number("temperature", name="temperature", integer=False),
-        "max_tokens": lambda: _number("max tokens per reply", name="max_tokens"),
-        "exclude_outcomes": lambda: forms.CharField(
-            required=False,
-            label="drop outcomes",
-            help_text="Comma-separated outcome labels to drop, e.g. loss, unfinished.",
-        ),
-        "min_reward": lambda: _number(
-            "min reward", name="min_reward", required=False, integer=False
-        ),
-        "require_format": lambda: forms.BooleanField(
-            required=False, label="require format", help_text="Keep only well-formatted games."
-        ),
-        "max_invalid_moves": lambda: _number(
-            "max invalid moves", name="max_invalid_moves", required=False
-        ),
-    },
-    "sft": {
-        "dataset": lambda: forms.CharField(
-            max_length=500,
-            help_text="JSONL written by a synth job (pick one above) or a file under MODEL_ROOTS.",
-        ),
-        "epochs": lambda: _number("epochs", name="epochs"),
-        "max_steps": lambda: _number(
-            "steps", name="max_steps", required=False, help_text="Overrides epochs."
-        ),
-        "lr": lambda: _number("learning rate", name="lr", integer=False),
-        "batch_size": lambda: _number("batch size", name="batch_size"),
-        "micro_batch_size": lambda: _number("micro-batch size", name="micro_batch_size"),
-        "max_seq_len": lambda: _number("max sequence length", name="max_seq_len"),
-        "save_every": lambda: _number(
-            "checkpoint every (steps)", name="save_every", help_text="0: only the final one."
-        ),
-    },
-    "rl": {
-        "max_steps": lambda: _number("steps", name="max_steps"),
-        "batch_size": lambda: _number("batch size (rollouts per step)", name="batch_size"),
-        "rollouts_per_example": lambda: _number(
-            "rollouts per example", name="rollouts_per_example"
-        ),
-        "loss_type": lambda: forms.ChoiceField(choices=[(t, t) for t in LOSS_TYPES], label="loss"),
-        "loss_aggregation": lambda: forms.ChoiceField(
-            choices=[(a, a) for a in LOSS_AGGREGATIONS],
-            label="loss aggregation",
-            help_text="sequence: every rollout weighs the same (long failed games cannot "
-            "outweigh their group's wins); turn: every move does; token: every completion "
-            "token does.",
-        ),
-        "advantage": lambda: forms.ChoiceField(
-            choices=[(a, a) for a in ADVANTAGES],
-            label="advantage",
-            help_text="group: a rollout's reward minus its group's mean (GRPO); tree: per "
-            "move, against the other moves the group tried in the same position.",
-        ),
-        "lr": lambda: _number("learning rate", name="lr", integer=False),
-        "temperature": lambda: _number("temperature", name="temperature", integer=False),
-        "max_tokens": lambda: _number("max tokens per reply", name="max_tokens"),
-        "save_every": lambda: _number(
-            "checkpoint every (steps)", name="save_every", help_text="0: only the final one."
-        ),
-        "beta": lambda: _number(
-            "KL beta", name="beta", integer=False, help_text="0: no reference model."
-        ),
-    },
-}
+def form_name(setting: str) -> str:
+    """A setting's form field name (`optimizer.lr` -> `optimizer__lr`)."""
+    return setting.replace(".", "__")
 
 
 class JobForm(ServiceErrorsMixin, forms.Form):
-    """A new job of one kind: what to run it on, and the kind's settings."""
+    """A new job of one kind: what to run it on, and every setting of the kind's config
+    class (its schema gives each field's type, bounds, choices and help)."""
 
     env_config = forms.ModelChoiceField(
         queryset=EnvironmentConfig.objects.none(), label="environment config"
     )
     model = forms.ModelChoiceField(queryset=ModelEntry.objects.none())
-    device = forms.ChoiceField(choices=DEVICES, initial="auto")
-    seed = forms.IntegerField(initial=0, min_value=BOUNDS["seed"][0], max_value=BOUNDS["seed"][1])
     overrides = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 3}),
-        help_text="More settings, one key=value per line (e.g. top_p=0.9); values are JSON.",
+        help_text="More settings, one key=value per line (e.g. optimizer.lr=3e-4); values are JSON.",
     )
 
     def __init__(self, *args, kind: str, user, **kwargs):
@@ -323,32 +265,49 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             self.fields["env_config"].help_text = "Not used by SFT."
             self.datasets = selectors.synth_datasets_for_user(user)
         defaults = services.kind_defaults(kind)
-        for name, make in KIND_FIELDS[kind].items():
-            field = make()
-            default = defaults.get(name)
-            if isinstance(default, list):
-                default = ", ".join(map(str, default))
-            field.initial = default
-            self.fields[name] = field
-        self.fields["device"].initial = defaults.get("device", "auto")
-        self.fields["seed"].initial = defaults.get("seed", 0)
+        self.settings: list[str] = []
+        self.lists: set[str] = set()  # settings entered as comma-separated text
+        for row in config_schema(services.CONFIG_CLASSES[kind]):
+            if row["name"] in NOT_IN_FORM or row["type"] == "dict":
+                continue
+            field = setting_field(row)
+            default = defaults.get(row["name"])
+            field.initial = ", ".join(map(str, default)) if isinstance(default, list) else default
+            self.fields[form_name(row["name"])] = field
+            self.settings.append(row["name"])
+            if row["type"].startswith("list"):
+                self.lists.add(row["name"])
 
-    @property
-    def kind_fields(self):
-        return [self[name] for name in KIND_FIELDS[self.kind]]
+    def _bound(self, names):
+        return [self[form_name(name)] for name in names if name in self.settings]
 
     @property
     def common_fields(self):
-        return [self[name] for name in ("env_config", "model", "device", "seed")]
+        return [self["env_config"], self["model"], *self._bound(COMMON)]
 
-    def clean_exclude_outcomes(self):
-        text = self.cleaned_data.get("exclude_outcomes") or ""
-        return [part.strip() for part in text.split(",") if part.strip()]
+    @property
+    def kind_fields(self):
+        return self._bound(FEATURED[self.kind])
+
+    @property
+    def more_fields(self):
+        shown = {*COMMON, *FEATURED[self.kind]}
+        return self._bound([name for name in self.settings if name not in shown])
+
+    def add_service_error(self, error: ValidationError) -> None:
+        if hasattr(error, "error_dict"):
+            error = ValidationError({form_name(k): v for k, v in error.message_dict.items()})
+        super().add_service_error(error)
 
     def options(self) -> dict:
-        """The kind's settings and the common ones, as rlcore config keys."""
-        names = [*KIND_FIELDS[self.kind], "device", "seed"]
-        return {name: self.cleaned_data.get(name) for name in names}
+        """Every setting as the config's dotted key; lists from their comma-separated text."""
+        values = {}
+        for name in self.settings:
+            value = self.cleaned_data.get(form_name(name))
+            if name in self.lists:
+                value = [part.strip() for part in (value or "").split(",") if part.strip()]
+            values[name] = value
+        return values
 
 
 class RolloutFilterForm(forms.Form):

@@ -9,7 +9,6 @@ commits so a worker never sees a job row that was rolled back.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import tomllib
@@ -25,12 +24,14 @@ from django.utils import timezone
 from rlcore.envs import ParamError, load_environment
 from rlcore.evaluate import EvalConfig
 from rlcore.train.config import (
-    DEVICES,
     ConfigError,
     RLConfig,
     SFTConfig,
     SynthConfig,
-    load_config,
+    build_config,
+    config_schema,
+    flatten_settings,
+    place_setting,
 )
 from webapp.jobs.live import notify_job
 from webapp.jobs.models import (
@@ -267,40 +268,20 @@ def recipe_path(kind: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def kind_defaults(kind: str) -> dict[str, Any]:
-    """The kind's config defaults: the dataclass defaults under the tictactoe_tiny recipe."""
-    cls = CONFIG_CLASSES[kind]
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            values[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            values[f.name] = f.default_factory()
+def recipe_values(kind: str) -> dict[str, Any]:
+    """The settings of recipes/tictactoe_tiny/<kind>.toml ({} without one)."""
     path = recipe_path(kind)
-    if path is not None:
-        values.update(tomllib.loads(path.read_text()))
-    return values
+    return tomllib.loads(path.read_text()) if path is not None else {}
 
 
-@dataclasses.dataclass(kw_only=True)
-class CheckedEvalConfig(EvalConfig):
-    """EvalConfig with the checks rlcore's train configs have, so `load_config` can coerce
-    and validate an eval job's settings the same way (EvalConfig itself checks nothing)."""
-
-    def validate(self) -> None:
-        errors = [
-            f"{name} must be at least 1, got {getattr(self, name)!r}"
-            for name in ("num_examples", "rollouts_per_example", "max_tokens", "concurrency")
-            if getattr(self, name) < 1
-        ]
-        if self.temperature < 0:
-            errors.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.device not in DEVICES:
-            errors.append(f"device must be one of {list(DEVICES)}, got {self.device!r}")
-        if errors:
-            raise ConfigError("EvalConfig: " + "; ".join(errors))
+def kind_defaults(kind: str) -> dict[str, Any]:
+    """Every setting of the kind (dotted names for sections' settings) with its default
+    under the tictactoe_tiny recipe."""
+    cls = CONFIG_CLASSES[kind]
+    defaults = {row["name"]: row["default"] for row in config_schema(cls)}
+    for key, value in flatten_settings(recipe_values(kind)).items():
+        defaults[place_setting(cls, key)] = value
+    return defaults
 
 
 def _parse_overrides(text: str) -> dict[str, Any]:
@@ -397,26 +378,25 @@ def job_config_resolve(
                 }
             )
 
-    cls = CONFIG_CLASSES[kind]
-    field_names = {f.name for f in dataclasses.fields(cls)}
-    values = {}
-    values |= {k: v for k, v in (model.generation or {}).items() if k in field_names}
-    values |= model.policy_args()
+    layers = [(f"recipe {kind}.toml", recipe_values(kind))]
+    if kind != "sft":  # sampling settings: SFT samples nothing
+        layers.append(("the model's generation defaults", dict(model.generation or {})))
+    layers.append(("the model", model.policy_args()))
     if kind in ("eval", "synth", "rl"):
-        values["env"] = env_config.env_name
-        values["env_args"] = dict(env_config.params)
-    values |= _user_settings(options, overrides)
-
+        env = {"env": env_config.env_name, "env_args": dict(env_config.params)}
+        layers.append(("the environment config", env))
+    layers.append(("the job's settings", _user_settings(options, overrides)))
     try:
-        overrides_list = [f"{k}={json.dumps(v)}" for k, v in values.items()]
-        checked = CheckedEvalConfig if kind == "eval" else cls
-        config = load_config(checked, recipe_path(kind), overrides_list).to_dict()
+        config = build_config(CONFIG_CLASSES[kind], layers).to_dict()
     except ConfigError as exc:
         if exc.errors:
             # A key the form shows keeps its message; any other came from the overrides.
+            # Named as the user named it (`lr` for optimizer.lr); others were overrides.
+            named = {place_setting(CONFIG_CLASSES[kind], key): key for key in options}
             by_field: dict[str, list[str]] = {}
             for key, message in exc.errors.items():
-                by_field.setdefault(key if key in options else "overrides", []).append(message)
+                field = named.get(key, key if key in options else "overrides")
+                by_field.setdefault(field, []).append(message)
             raise ValidationError(by_field) from None
         raise ValidationError(str(exc)) from None
     if "env_args" in config:
@@ -582,16 +562,16 @@ def job_requeue(*, job: Job) -> Job:
 
 
 def job_check_worker(*, job: Job) -> Job:
-    """A running job whose worker has gone silent and no longer has the task is marked
-    failed with the reason (called when its page or API detail loads)."""
+    """A running job silent for WORKER_LOST_SECONDS whose worker does not say it still runs
+    it is marked lost (called when its page or API detail loads; the workers' watchdogs do
+    the same on their own, this covers a lab with no worker left)."""
     if job.status != Job.Status.RUNNING:
         return job
-    seen = job.heartbeat or job.started
-    if seen and (timezone.now() - seen).total_seconds() < settings.WORKER_STALE_SECONDS:
-        return job
-    from workers.tasks import job_mark_worker_lost, worker_has_task
+    from workers.tasks import heartbeat_is_fresh, job_mark_worker_lost, task_holders
 
-    if not worker_has_task(job.worker, job.celery_task_id):
+    if heartbeat_is_fresh(job):
+        return job
+    if not task_holders(job.worker, job.celery_task_id):
         job_mark_worker_lost(
             job_id=job.pk,
             reason=f"worker {job.worker or '?'} stopped answering while the job was running",

@@ -1,0 +1,173 @@
+"""From rollouts to training sequences: token ids straight from generation, and for every
+token what the loss does with it.
+
+A rollout's turns become one sequence (or several, when the chat template re-rendered the
+history differently between turns) of prompt and completion tokens, the ids exactly as
+the engine saw and sampled them, never re-tokenized text. `TrainingSequence.weights` is
+the one per-token statement of what is trained: a token's weight in the loss's sum (0 for
+prompt and environment tokens, and for a think block left out with `train_think` off),
+from which the mask, the normalizer and the KL term all follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlcore.train.common import pad_batch
+from rlcore.types import Rollout
+
+
+@dataclass
+class TrainingSequence:
+    """One training sequence and, per token, what the loss does with it."""
+
+    input_ids: list[int]
+    weights: list[float]  # per token: its weight in the loss's sum (0: not trained)
+    advantages: list[float]  # per token: its turn's advantage (0 where not trained)
+    sampled_logprobs: list[float] | None  # at generation time, per token (0 off completions)
+    turns: int = 1  # assistant turns trained in this sequence
+    old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(weight > 0 for weight in self.weights)
+
+
+def token_pieces(completion_ids: list[int], pieces: dict[int, str], tokenizer) -> list[str]:
+    """The text of each token of a completion; `pieces` caches id -> text across calls."""
+    for token in completion_ids:
+        if token not in pieces:
+            pieces[token] = tokenizer.decode([token])
+    return [pieces[token] for token in completion_ids]
+
+
+def think_length(completion_ids: list[int], pieces: dict[int, str], tokenizer) -> int:
+    """How many leading tokens of a reply make up its think block, through `</think>`
+    (0 when it has none). `pieces` caches each token id's text across calls."""
+    text = ""
+    for count, piece in enumerate(token_pieces(completion_ids, pieces, tokenizer), start=1):
+        text += piece
+        if "</think>" in text:
+            return count
+    return 0
+
+
+Assembled = tuple[list[int], list[float] | None, list[int], list[int]]
+
+
+def _assemble(rollout: Rollout) -> list[Assembled]:
+    """Each sequence's input ids and sampled logprobs, with the turn index of every token
+    and its position in that turn's completion (both -1 off completions).
+
+    Turn k+1 joins the current sequence when its prompt starts with that sequence (prompt
+    and completion so far): only the new tokens, the env's reply and the next assistant
+    header, are appended, then the completion. Otherwise turn k+1 starts a new sequence."""
+    sequences: list[Assembled] = []
+    for index, turn in enumerate(rollout.turns):
+        if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
+            input_ids, logprobs, turn_ids, offsets = sequences[-1]
+            new_prompt = turn.prompt_ids[len(input_ids) :]
+        else:
+            input_ids, logprobs, turn_ids, offsets = [], [], [], []
+            sequences.append((input_ids, logprobs, turn_ids, offsets))
+            new_prompt = turn.prompt_ids
+        input_ids.extend(new_prompt)
+        input_ids.extend(turn.completion_ids)
+        turn_ids.extend([-1] * len(new_prompt) + [index] * len(turn.completion_ids))
+        offsets.extend([-1] * len(new_prompt) + list(range(len(turn.completion_ids))))
+        if logprobs is not None:
+            logprobs.extend([0.0] * len(new_prompt))
+            logprobs.extend(turn.logprobs or [])
+            if turn.logprobs is None:
+                sequences[-1] = (input_ids, None, turn_ids, offsets)
+    return sequences
+
+
+def build_sequences(rollout: Rollout) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of each sequence of a rollout: the mask is 1 exactly on the
+    sampled completion tokens."""
+    return [
+        (input_ids, [int(turn >= 0) for turn in turn_ids])
+        for input_ids, _, turn_ids, _ in _assemble(rollout)
+    ]
+
+
+def training_sequences(
+    rollout: Rollout,
+    turn_advantages: list[float],
+    aggregation: str,
+    think_lengths: list[int] | None = None,
+) -> list[TrainingSequence]:
+    """The rollout's sequences with every completion token carrying its turn's advantage
+    and its weight in the loss's sum: 1 (token aggregation), 1 / the sequence's trained
+    tokens (sequence) or 1 / its turn's trained tokens (turn). With `think_lengths`, the
+    first `think_lengths[t]` tokens of turn t (its think block) are not trained."""
+    if len(turn_advantages) != len(rollout.turns):
+        raise ValueError(
+            f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
+        )
+    result = []
+    for input_ids, logprobs, turn_ids, offsets in _assemble(rollout):
+        trained = [
+            turn >= 0 and offset >= (think_lengths[turn] if think_lengths else 0)
+            for turn, offset in zip(turn_ids, offsets, strict=True)
+        ]
+        sizes: dict[int, int] = {}
+        for turn, keep in zip(turn_ids, trained, strict=True):
+            if keep:
+                sizes[turn] = sizes.get(turn, 0) + 1
+        result.append(
+            TrainingSequence(
+                input_ids=input_ids,
+                weights=[
+                    _share(aggregation, sizes, t) if keep else 0.0
+                    for t, keep in zip(turn_ids, trained, strict=True)
+                ],
+                advantages=[
+                    turn_advantages[t] if keep else 0.0
+                    for t, keep in zip(turn_ids, trained, strict=True)
+                ],
+                sampled_logprobs=logprobs,
+                turns=len(sizes),
+            )
+        )
+    return result
+
+
+def _share(aggregation: str, sizes: dict[int, int], turn: int) -> float:
+    """A trained token's weight given how many trained tokens each turn has."""
+    if aggregation == "sequence":
+        return 1.0 / sum(sizes.values())
+    if aggregation == "turn":
+        return 1.0 / sizes[turn]
+    return 1.0
+
+
+def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[TrainingSequence]]:
+    """Chunks of `size` sequences of similar length, so little compute goes to padding."""
+    ordered = sorted(sequences, key=lambda s: len(s.input_ids))
+    return [ordered[start : start + size] for start in range(0, len(ordered), size)]
+
+
+def collate(chunk: list[TrainingSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """Right-padded input ids, attention mask, and the per-target weights and advantages
+    (the first token is never predicted, so they start at the second)."""
+    input_ids = pad_batch([s.input_ids for s in chunk], pad_id).to(device)
+    attention_mask = pad_batch([[1] * len(s.input_ids) for s in chunk], 0).to(device)
+    width = input_ids.shape[1] - 1
+    weights = target_rows([s.weights for s in chunk], width, device)
+    advantages = target_rows([s.advantages for s in chunk], width, device)
+    return input_ids, attention_mask, weights, advantages
+
+
+def target_rows(values: list[list[float]], width: int, device) -> torch.Tensor:
+    """Per-token values of each sequence aligned with the targets, right-padded with 0."""
+    return padded([torch.tensor(v[1:], dtype=torch.float32) for v in values], width, device)
+
+
+def padded(tensors: list[torch.Tensor], width: int, device) -> torch.Tensor:
+    rows = [torch.nn.functional.pad(t, (0, width - t.numel())) for t in tensors]
+    return torch.stack(rows).to(device)
