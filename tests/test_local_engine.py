@@ -9,27 +9,15 @@ import torch
 
 from rlcore.policy import PolicyError
 from rlcore.policy.local import LocalEngine
-from rlcore.policy.tiny import build_tiny_model, ensure_tiny_model
+from rlcore.policy.tiny import build_tiny_model
 from rlcore.types import SamplingParams
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on a shared CPU its spin-waits
-    make every step many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return LocalEngine(
-        ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model"), device="cpu", name="tiny"
-    )
+def engine(default_tiny_model):
+    return LocalEngine(default_tiny_model, device="cpu", name="tiny")
 
 
 def conversation(index: int) -> list[dict]:

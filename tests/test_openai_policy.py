@@ -29,16 +29,6 @@ QUESTION = [{"role": "user", "content": "hi"}]
 TOOL_CALL_TEXT = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on a shared CPU its spin-waits
-    make every step many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """A tiny model fine-tuned until, offered the tool `f`, it answers 'hi' by calling it."""

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlcore.envs.registry import load_environment
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
-from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.rollout import run_rollouts
 from rlcore.train.common import TRAINER_STATE
 from rlcore.train.config import ConfigError, LossConfig, RLConfig, SFTConfig, build_config
@@ -23,17 +22,6 @@ from rlcore.train.sft import run_sft
 from rlcore.types import Rollout, SamplingParams, Turn
 
 REVERSE_AB = {"mode": "random", "min_chars": 2, "max_chars": 2, "alphabet": "ab"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return ensure_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=128,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -10,23 +10,12 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from rlcore.policy.local import LocalEngine
 from rlcore.policy.tiny import ensure_tiny_model, tiny_config_hash
 from rlcore.serve import ServerThread, build_app, extract_tool_calls, main
 
 HELLO = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on a shared CPU its spin-waits
-    make every step many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from transformers import AutoTokenizer
 
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
-from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.train.config import OptimizerConfig, SFTConfig, SynthConfig
 from rlcore.train.sft import build_sft_example, load_sft_dataset, run_sft
 from rlcore.train.synth import drop_reason, run_synth
@@ -23,17 +22,6 @@ CONVERSATION = [
     {"role": "user", "content": "Board 2"},
     {"role": "assistant", "content": "<move>4</move>"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return ensure_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=128,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
-from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.train import grpo, sft
 from rlcore.train.common import TRAINER_STATE
 from rlcore.train.config import OptimizerConfig, RLConfig, SFTConfig, build_config
@@ -23,17 +22,6 @@ from rlcore.train.grpo import run_rl
 from rlcore.train.sft import run_sft
 
 TICTACTOE = {"max_turns": 2, "num_groups": 2}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return ensure_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=128,
-    )
 
 
 def rl_config(model: str, output_dir, **changes) -> RLConfig:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from rlcore.events import RecordingSink
-from rlcore.policy.tiny import ensure_tiny_model
 from rlcore.train.common import TRAINER_STATE, random_states, restore_random_states
 from rlcore.train.config import RLConfig, build_config
 from rlcore.train.grpo import run_rl
@@ -31,14 +30,8 @@ class WritesMarker:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return ensure_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
-    )
+def model(tiny_model) -> str:
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
