@@ -623,6 +623,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
         "run_sh_commit": git("log", "-1", "--format=%H %s", "--", "scripts/run.sh"),
         "run_sh_modified": bool(git("status", "--porcelain", "--", "scripts/run.sh")),
+        "run_sh_blob": git("hash-object", "scripts/run.sh"),
         "web_concurrency": os.environ.get("WEB_CONCURRENCY"),
         "settings_module": os.environ.get("DJANGO_SETTINGS_MODULE", "webapp.settings"),
         "web_processes": web_workers,
