@@ -180,11 +180,22 @@ def restore_random_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def save_trainer_state(path: str | Path, state: dict) -> None:
+TRAINER_STATE_KEYS = {"step", "optimizer", "scheduler", "sampler", "random"}
+
+
+def save_trainer_state(path, step, optimizer, scheduler, sampler_state, random_state) -> None:
+    """What a resumed run needs besides the weights, next to them in checkpoint `path`."""
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "sampler": sampler_state,
+        "random": random_state,
+    }
     torch.save(state, Path(path) / TRAINER_STATE)
 
 
-def load_trainer_state(path: str | Path, required: set[str]) -> dict:
+def load_trainer_state(path: str | Path) -> dict:
     """The trainer state of checkpoint `path`, read with `weights_only=True`: a checkpoint
     directory may come from anywhere (an upload, a shared folder), and a full unpickle runs
     whatever code the file names. A file that needs more than tensors and plain values is
@@ -204,7 +215,7 @@ def load_trainer_state(path: str | Path, required: set[str]) -> dict:
             "writes (tensors and plain values, loadable with weights_only=True); it may hold "
             f"code to run, or come from an older version ({type(exc).__name__}: {reason})"
         ) from None
-    missing = required - set(state if isinstance(state, dict) else ())
+    missing = TRAINER_STATE_KEYS - set(state if isinstance(state, dict) else ())
     if missing:
         raise ValueError(
             f"{str(state_path)!r} is not a trainer state: it lacks {sorted(missing)}; "

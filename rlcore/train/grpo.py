@@ -63,7 +63,7 @@ from rlcore.train.common import (
     seed_everything,
 )
 from rlcore.train.config import LossConfig, RLConfig, save_config
-from rlcore.train.sampling import StratifiedSampler
+from rlcore.train.sampling import StratifiedSampler, rollout_sample
 from rlcore.train.sequences import (
     TrainingSequence,
     collate,
@@ -75,10 +75,7 @@ from rlcore.train.sequences import (
 from rlcore.types import Rollout, SamplingParams
 
 # Config fields a resumed run may change without changing what it computes.
-RESUMABLE_CHANGES = set(
-    ["resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts"]
-)
-TRAINER_STATE_KEYS = {"step", "optimizer", "scheduler", "sampler", "random"}
+RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,13 +322,6 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     }
 
 
-def rollout_sample(rollouts: list[Rollout], group_size: int, count: int) -> list[Rollout]:
-    """`count` rollouts for the sink: the first of every example, then the second...,
-    so the sample spreads over examples and so over the stratified groups."""
-    order = sorted(range(len(rollouts)), key=lambda i: (i % group_size, i // group_size))
-    return [rollouts[i] for i in order[:count]]
-
-
 # ---------------------------------------------------------------------------------------
 # The training loop
 
@@ -376,7 +366,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
     aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     start_step, last_saved = 0, cfg.resume_from
     if cfg.resume_from:
-        state = load_trainer_state(cfg.resume_from, TRAINER_STATE_KEYS)
+        state = load_trainer_state(cfg.resume_from)
         if changed := changed_settings(cfg.resume_from, cfg, RESUMABLE_CHANGES):
             sink.log(f"rl: resuming with changed settings {changed}", "warning")
         optimizer.load_state_dict(state["optimizer"])
@@ -396,16 +386,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
         nonlocal last_saved
         sampler_state, random_state = start or (sampler.state_dict(), random_states())
         last_saved = save_checkpoint(model, tokenizer, cfg, path)
-        save_trainer_state(
-            path,
-            {
-                "step": step,
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "sampler": sampler_state,
-                "random": random_state,
-            },
-        )
+        save_trainer_state(path, step, optimizer, scheduler, sampler_state, random_state)
         sink.checkpoint(step, last_saved)
         return last_saved
 

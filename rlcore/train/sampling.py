@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from rlcore.envs.base import Environment
-from rlcore.types import Example
+from rlcore.types import Example, Rollout
 
 # How far past the last scanned index to look for an example of a group before deciding
 # the environment never produces that group.
@@ -91,3 +91,10 @@ class StratifiedSampler:
             deque((index, self.env.make_example(index, self.seed)) for index in indices)
             for indices in state["pending"]
         ]
+
+
+def rollout_sample(rollouts: list[Rollout], group_size: int, count: int) -> list[Rollout]:
+    """`count` rollouts for the sink: the first of every example, then the second...,
+    so the sample spreads over examples and so over the stratified groups."""
+    order = sorted(range(len(rollouts)), key=lambda i: (i % group_size, i // group_size))
+    return [rollouts[i] for i in order[:count]]
