@@ -230,7 +230,7 @@ def test_rl_raises_the_mean_reward_on_reverse_text(half_formatted_model, tmp_pat
     # The trainer's recomputed logprobs match what the engine sampled with.
     assert all(values["policy/logprob_mismatch"] < 1e-3 for _, values in sink.metrics)
     assert [step for step, _ in sink.rollout_batches] == list(range(1, 41))
-    assert len(sink.rollout_batches[0][1]) == cfg.log_rollouts
+    assert len(sink.rollout_batches[0][1]) == min(cfg.log_rollouts, cfg.batch_size) == 16
     assert sink.progress_events[-1] == (40, 40, "rl")
     assert sink.checkpoints == [(40, final)]
     assert json.loads((tmp_path / "rl" / "config.json").read_text())["optimizer"]["lr"] == 3e-4

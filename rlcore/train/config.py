@@ -320,8 +320,9 @@ class RLConfig:
     """save a checkpoint every this many steps (0: only the final one)"""
     resume_from: str | None = None
     """a checkpoint directory of an earlier run of this config to continue from"""
-    log_rollouts: int = 8
-    """rollouts sent to the sink per step, spread over groups (0: none)"""
+    log_rollouts: int = 256
+    """rollouts stored per step for the inspector, spread over groups: every rollout of a
+    batch up to this size (0: none)"""
     optimizer: OptimizerConfig = field(
         default_factory=lambda: OptimizerConfig(lr=1e-5, lr_schedule="constant")
     )

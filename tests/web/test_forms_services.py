@@ -5,6 +5,7 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from rlcore.train.config import BOUNDS, RLConfig, config_schema
+from tests.web.conftest import job_form_data
 from webapp.jobs import services
 from webapp.jobs.forms import NOT_IN_FORM, EnvConfigForm, JobForm
 from webapp.jobs.models import ApiKey, EnvironmentConfig, Job, ModelEntry
@@ -233,3 +234,49 @@ def test_bad_overrides_name_the_line(alice, ttt_config, oracle):
             owner=alice, kind="eval", env_config=ttt_config, model=oracle, overrides="colour=blue"
         )
     assert "colour" in caught.value.messages[0]
+
+
+def test_a_blank_required_number_is_an_error_not_the_default(alice, ttt_config, tiny):
+    data = job_form_data(alice, "rl", env_config=ttt_config.pk, model=tiny.pk)
+    assert JobForm(data, kind="rl", user=alice).is_valid()  # the control
+    # What a browser sends for letters typed into a number field: nothing.
+    form = JobForm(data | {"max_steps": ""}, kind="rl", user=alice)
+    assert not form.is_valid() and "max_steps" in form.errors
+    # An optional number says so and may stay blank.
+    synth = job_form_data(alice, "synth", env_config=ttt_config.pk, model=tiny.pk, max_kept="")
+    form = JobForm(synth, kind="synth", user=alice)
+    assert form.is_valid(), form.errors
+    assert "(blank: none)" in form.fields["max_kept"].help_text
+
+
+def test_the_job_form_starts_from_what_the_user_ran_last(alice, bob, ttt_config, tiny, oracle):
+    other = services.env_config_save(owner=alice, name="other", env_name="tictactoe", params={})
+    form = JobForm(kind="eval", user=alice)
+    # Nothing run yet: the newest config and model.
+    assert (form.fields["env_config"].initial, form.fields["model"].initial) == (
+        other.pk,
+        oracle.pk,
+    )
+    Job.objects.create(owner=alice, kind="eval", env_config=ttt_config, model=tiny)
+    form = JobForm(kind="eval", user=alice)
+    assert (form.fields["env_config"].initial, form.fields["model"].initial) == (
+        ttt_config.pk,
+        tiny.pk,
+    )
+    # Options are named once, and labels are capitalised alike.
+    assert [label for _, label in form.fields["env_config"].choices][1:] == ["other", "ttt"]
+    assert all(str(f.label)[0].isupper() for f in form.fields.values())
+    assert JobForm(kind="eval", user=bob).fields["model"].initial is None
+
+
+def test_sft_offers_the_users_own_synth_datasets_newest_first(alice, bob, real_services):
+    paths = []
+    for owner in (alice, alice, bob):
+        job = Job.objects.create(owner=owner, kind="synth", status="succeeded")
+        path = real_services / f"job-{job.pk}" / "dataset.jsonl"
+        job.result = {"path": str(path), "kept": 5}
+        job.save()
+        paths.append(str(path))
+    choices = [value for value, _ in JobForm(kind="sft", user=alice).fields["dataset"].choices]
+    assert choices == ["", paths[1], paths[0]]
+    assert JobForm(kind="sft", user=bob).fields["dataset"].choices[1][0] == paths[2]

@@ -204,6 +204,7 @@ NOT_IN_FORM = {*services.LAB_KEYS, "env", "env_args"}
 def setting_field(row: dict) -> forms.Field:
     """The form field for one config setting of `config_schema`."""
     label = row["name"].replace(".", " · ").replace("_", " ")
+    label = label[0].upper() + label[1:]
     optional = row["type"].endswith("| None")
     common = {"label": label, "help_text": row["help"], "required": not optional}
     if optional:
@@ -234,6 +235,13 @@ def setting_field(row: dict) -> forms.Field:
     )
 
 
+class NamedChoiceField(forms.ModelChoiceField):
+    """A model choice shown by its name alone."""
+
+    def label_from_instance(self, obj) -> str:
+        return obj.name
+
+
 def form_name(setting: str) -> str:
     """A setting's form field name (`optimizer.lr` -> `optimizer__lr`)."""
     return setting.replace(".", "__")
@@ -243,10 +251,10 @@ class JobForm(ServiceErrorsMixin, forms.Form):
     """A new job of one kind: what to run it on, and every setting of the kind's config
     class (its schema gives each field's type, bounds, choices and help)."""
 
-    env_config = forms.ModelChoiceField(
-        queryset=EnvironmentConfig.objects.none(), label="environment config"
+    env_config = NamedChoiceField(
+        queryset=EnvironmentConfig.objects.none(), label="Environment config"
     )
-    model = forms.ModelChoiceField(queryset=ModelEntry.objects.none())
+    model = NamedChoiceField(queryset=ModelEntry.objects.none(), label="Model")
     overrides = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 3}),
@@ -258,12 +266,21 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         from webapp.jobs import selectors
 
         self.kind = kind
-        self.fields["env_config"].queryset = selectors.env_configs_for_user(user).filter(owner=user)
-        self.fields["model"].queryset = selectors.models_for_user(user).filter(owner=user)
+        configs = selectors.env_configs_for_user(user).filter(owner=user)
+        models = selectors.models_for_user(user).filter(owner=user)
+        self.fields["env_config"].queryset = configs
+        self.fields["model"].queryset = models
+        # Start from what the user ran last (else what they made last).
+        recent = selectors.jobs_for_user(user).filter(owner=user).first()
+        self.fields["env_config"].initial = (recent and recent.env_config_id) or (
+            configs.order_by("-created").values_list("pk", flat=True).first()
+        )
+        self.fields["model"].initial = (recent and recent.model_id) or (
+            models.order_by("-created").values_list("pk", flat=True).first()
+        )
         if kind == "sft":
             self.fields["env_config"].required = False
             self.fields["env_config"].help_text = "Not used by SFT."
-            self.datasets = selectors.synth_datasets_for_user(user)
         defaults = services.kind_defaults(kind)
         self.settings: list[str] = []
         self.lists: set[str] = set()  # settings entered as comma-separated text
@@ -271,12 +288,27 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             if row["name"] in NOT_IN_FORM or row["type"] == "dict":
                 continue
             field = setting_field(row)
+            if row["name"] == "dataset":
+                field = self.dataset_field(user)
             default = defaults.get(row["name"])
             field.initial = ", ".join(map(str, default)) if isinstance(default, list) else default
             self.fields[form_name(row["name"])] = field
             self.settings.append(row["name"])
             if row["type"].startswith("list"):
                 self.lists.add(row["name"])
+
+    @staticmethod
+    def dataset_field(user) -> forms.ChoiceField:
+        """SFT data: the datasets the user's own synth jobs wrote, newest first."""
+        from webapp.jobs import selectors
+
+        datasets = selectors.synth_datasets_for_user(user)
+        return forms.ChoiceField(
+            label="Dataset",
+            choices=[("", "pick a dataset" if datasets else "no datasets yet")] + datasets,
+            help_text="A dataset written by one of your synth jobs"
+            + ("." if datasets else ": run a synth job first."),
+        )
 
     def _bound(self, names):
         return [self[form_name(name)] for name in names if name in self.settings]

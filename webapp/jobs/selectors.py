@@ -53,8 +53,9 @@ def models_for_user(user) -> QuerySet[ModelEntry]:
 
 
 def synth_datasets_for_user(user) -> list[tuple[str, str]]:
-    """(path, label) of datasets written by the user's finished synth jobs."""
-    jobs = jobs_for_user(user).filter(kind=Job.Kind.SYNTH, status=Job.Status.SUCCEEDED)
+    """(path, label) of datasets written by the user's own finished synth jobs, newest
+    first."""
+    jobs = Job.objects.filter(owner=user, kind=Job.Kind.SYNTH, status=Job.Status.SUCCEEDED)
     return [
         (job.result["path"], f"job #{job.pk}: {job.result.get('kept', '?')} conversations")
         for job in jobs
