@@ -457,6 +457,7 @@ class _Reporter:
         self.unreported: list[Rollout] = []
         self.started = time.monotonic()
         self.stop = sink.should_stop()
+        self.logged_quarters = 0
 
     def on_result(self, rollout: Rollout) -> None:
         self.finished.append(rollout)
@@ -474,6 +475,16 @@ class _Reporter:
             running = summarize(self.env, self.finished, time.monotonic() - self.started)
             self.sink.metric(done, summary_metrics(running))
             self.sink.rollouts(done, self.unreported)
+        quarter = 4 * done // self.total
+        if quarter > self.logged_quarters and done < self.total:  # milestones, for the log
+            self.logged_quarters = quarter
+            rewards = [r.reward for r in self.finished]
+            errors = sum(1 for r in self.finished if r.error)
+            self.sink.log(
+                f"{self.desc}: {done}/{self.total} rollouts ({100 * done // self.total}%), "
+                f"reward mean {sum(rewards) / len(rewards):.3f}, {errors} errors, "
+                f"{time.monotonic() - self.started:.0f}s"
+            )
         self.unreported = []
         if not self.stop and self.sink.should_stop():
             self.stop = True
@@ -513,6 +524,17 @@ async def _play(
     return rollouts, time.monotonic() - reporter.started, len(rollouts) < total
 
 
+def _summary_line(summary: dict) -> str:
+    """One line of a summary for the log: rollouts, seconds, reward, outcome rates."""
+    outcomes = ", ".join(
+        f"{label} {100 * row['rate']:.1f}%" for label, row in summary.get("outcomes", {}).items()
+    )
+    return (
+        f"{summary['num_rollouts']} rollouts in {summary['timing']['seconds']:.1f}s, reward mean "
+        f"{summary['reward']['mean']:.3f}" + (f"; {outcomes}" if outcomes else "")
+    )
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -545,6 +567,11 @@ async def arun_eval(
         examples = env.examples(cfg.num_examples, seed=cfg.seed)
         if cfg.base_url:
             await _check_endpoint(policy, cfg)
+        sink.log(
+            f"eval: {cfg.model} on {cfg.env}: {len(examples)} examples x "
+            f"{cfg.rollouts_per_example} rollouts, temperature {cfg.temperature}, top_p "
+            f"{cfg.top_p}, at most {cfg.max_tokens} tokens a reply, {cfg.concurrency} at once"
+        )
         rollouts, seconds, cancelled = await _play(
             env, policy, examples, cfg, sink, desc="eval", live=True
         )
@@ -555,6 +582,7 @@ async def arun_eval(
     summary = summarize(env, rollouts, seconds)
     summary["model"] = cfg.model
     summary["cancelled"] = cancelled
+    sink.log(f"eval: {'cancelled after' if cancelled else 'done:'} {_summary_line(summary)}")
 
     baselines: dict[str, dict] = {}
     baseline_rollouts: dict[str, list[Rollout]] = {}
@@ -570,6 +598,7 @@ async def arun_eval(
                 await baseline.aclose()
             baselines[name] = summarize(env, played, played_seconds)
             baselines[name] |= {"model": name, "cancelled": baseline_cancelled}
+            sink.log(f"baseline {name}: {_summary_line(baselines[name])}")
             baseline_rollouts[name] = played
             if baseline_cancelled:
                 break

@@ -498,3 +498,17 @@ def test_jsonl_lines_keep_every_record_on_one_line_for_any_line_splitter():
     assert line.endswith("\n") and len(line.splitlines()) == 1
     assert json.loads(line) == {"content": text}
     assert "é ✓" in line  # other text stays readable
+
+
+def test_an_eval_logs_its_settings_milestones_and_summary():
+    sink = RecordingSink()
+    config = EvalConfig(env="tictactoe", model="oracle", num_examples=8, concurrency=2,
+                        env_args={"max_turns": 6}, baselines=True)  # fmt: skip
+    run_eval(config, sink)
+    lines = [message for _, message in sink.logs]
+    assert lines[0].startswith("eval: oracle on tictactoe: 8 examples x 1 rollouts")
+    assert any(line.startswith("eval: 4/8 rollouts (50%)") for line in lines)
+    assert any(
+        line.startswith("eval: done: 8 rollouts in") and "loss 0.0%" in line for line in lines
+    )
+    assert any(line.startswith("baseline random: 8 rollouts") for line in lines)

@@ -9,10 +9,10 @@
 (() => {
   const live = JSON.parse(document.getElementById("job-live").textContent);
   const $ = (id) => document.getElementById(id);
-  const grid = new Charts.Grid($("metric-charts"));
-  Charts.bindControls(grid, { slider: $("ema"), output: $("ema-value"), axis: $("x-axis") });
+  const grid = new Charts.Grid($("metric-charts"), { sections: true, layoutKey: `job-${live.kind}` });
+  Charts.bindControls(grid, { slider: $("ema"), output: $("ema-value"), axis: $("x-axis"), search: $("metric-search") });
 
-  const TERMINAL = ["succeeded", "failed", "cancelled"];
+  const TERMINAL = ["succeeded", "failed", "cancelled", "lost"];
   let cursor = null; // last step whose batch the page has
   let lastLogId = null;
   let status = live.status;
@@ -59,6 +59,9 @@
     return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
   }
 
+  /* The rate is measured over the last minute of progress and smoothed, so the ETA moves
+   * steadily instead of swinging with every batch that lands. */
+  let smoothedRate = null;
   function setProgress({ done, total, desc }) {
     const bar = $("progress");
     bar.value = total ? Math.min(1, done / total) : 0;
@@ -67,15 +70,30 @@
     $("progress-text").textContent = `${desc || ""} ${done}/${total}`.trim();
     const now = Date.now() / 1000;
     progressSamples.push([now, done]);
-    while (progressSamples.length > 20) progressSamples.shift();
+    while (progressSamples.length > 2 && now - progressSamples[0][0] > 60) progressSamples.shift();
     const [t0, d0] = progressSamples[0];
-    if (now - t0 > 0.5 && done > d0) {
-      const rate = (done - d0) / (now - t0);
-      $("progress-rate").textContent = `${rate.toFixed(2)}/s · ETA ${formatSeconds((total - done) / rate)}`;
-    } else if (done >= total && total) {
+    if (done >= total && total) {
       $("progress-rate").textContent = "";
+    } else if (now - t0 > 0.5 && done > d0) {
+      const rate = (done - d0) / (now - t0);
+      smoothedRate = smoothedRate === null ? rate : 0.7 * smoothedRate + 0.3 * rate;
+      $("progress-rate").textContent = `${smoothedRate.toFixed(2)}/s · ETA ${formatSeconds((total - done) / smoothedRate)}`;
     }
   }
+
+  /* The duration ticks while the job runs (the server rendered it at page load). */
+  function formatDuration(seconds) {
+    const s = Math.max(0, Math.floor(seconds));
+    const h = Math.floor(s / 3600);
+    const m = Math.floor((s % 3600) / 60);
+    const pad = (n) => String(n).padStart(2, "0");
+    return h ? `${h}:${pad(m)}:${pad(s % 60)}` : `${m}:${pad(s % 60)}`;
+  }
+  setInterval(() => {
+    if (status !== "running") return;
+    live.started = live.started || Date.now() / 1000;
+    $("job-duration").textContent = formatDuration(Date.now() / 1000 - live.started);
+  }, 1000);
 
   function addRollouts(rows) {
     const feed = $("rollout-feed");

@@ -240,6 +240,7 @@ def job_detail(request, pk: int):
     job = services.job_check_worker(job=selectors.job_for_user(request.user, pk))
     live = {
         "job": job.pk,
+        "kind": job.kind,
         "status": job.status,
         "started": job.started.timestamp() if job.started else None,
         "created": job.created.timestamp(),
