@@ -215,3 +215,21 @@ def test_plotly_is_served_from_our_static_files():
     path = finders.find("vendor/plotly/plotly.min.js")
     assert path and Path(path).read_text()[:200].startswith("/**")
     assert finders.find("js/job.js") and finders.find("css/lab.css")
+
+
+def test_a_finished_synth_job_shows_its_dataset_and_offers_sft_on_it(
+    alice, alice_client, real_services
+):
+    job = Job.objects.create(owner=alice, kind="synth", status="succeeded")
+    path = real_services / f"job-{job.pk}" / "dataset.jsonl"
+    job.result = job.summary = {"path": str(path), "kept": 12, "played": 40, "seconds": 3.5,
+                                "dropped": {"outcome": 20, "max_invalid_moves": 8},
+                                "outcomes": {"win": 12, "loss": 20, "unfinished": 8}}  # fmt: skip
+    job.save()
+    html = page(alice_client, f"/jobs/{job.pk}/")
+    assert "<strong>12</strong> conversations kept of 40 played" in html
+    assert "<td>max_invalid_moves</td><td>8</td>" in html and "<td>loss</td><td>20</td>" in html
+    assert "No metrics yet." not in html
+    link = re.search(r'id="start-sft" href="([^"]+)"', html).group(1).replace("&amp;", "&")
+    form = alice_client.get(link).context["form"]
+    assert form["dataset"].value() == str(path)

@@ -288,9 +288,10 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             if row["name"] in NOT_IN_FORM or row["type"] == "dict":
                 continue
             field = setting_field(row)
+            default = defaults.get(row["name"])
             if row["name"] == "dataset":
                 field = self.dataset_field(user)
-            default = defaults.get(row["name"])
+                default = field.choices[1][0] if len(field.choices) > 1 else ""  # the newest
             field.initial = ", ".join(map(str, default)) if isinstance(default, list) else default
             self.fields[form_name(row["name"])] = field
             self.settings.append(row["name"])

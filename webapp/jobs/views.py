@@ -202,9 +202,9 @@ def job_create(request):
     kind = request.POST.get("kind") or request.GET.get("kind") or "eval"
     if kind not in CONFIG_CLASSES:
         kind = "eval"
-    initial = {}
-    if request.GET.get("model"):
-        initial["model"] = request.GET["model"]
+    # Links from other pages preselect a model ("Eval" on a checkpoint) or a dataset
+    # ("Start SFT" on a synth job); the form checks either against the user's own.
+    initial = {key: request.GET[key] for key in ("model", "dataset") if request.GET.get(key)}
     form = JobForm(request.POST or None, kind=kind, user=request.user, initial=initial)
     if request.method == "POST" and form.is_valid():
         try:
@@ -257,6 +257,7 @@ def job_detail(request, pk: int):
             "job": job,
             "live": live,
             "tables": presenters.summary_tables(job.summary if job.kind == Job.Kind.EVAL else None),
+            "synth": job.result if job.kind == Job.Kind.SYNTH and job.result else None,
             "report": (job.result or {}).get("report", ""),
             "checkpoints": job.current_checkpoints().select_related("model_entry"),
             "config_json": json.dumps(job.config, indent=2, sort_keys=True),
