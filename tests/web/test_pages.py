@@ -233,3 +233,18 @@ def test_a_finished_synth_job_shows_its_dataset_and_offers_sft_on_it(
     link = re.search(r'id="start-sft" href="([^"]+)"', html).group(1).replace("&amp;", "&")
     form = alice_client.get(link).context["form"]
     assert form["dataset"].value() == str(path)
+
+
+def test_the_env_preview_follows_the_forms_parameters(alice_client):
+    default = page(alice_client, "/envs/tictactoe/preview/?seed=0")
+    x_only = page(alice_client, "/envs/tictactoe/preview/?seed=0&param_model_mark=X")
+    o_only = page(alice_client, "/envs/tictactoe/preview/?seed=0&param_model_mark=O")
+    assert "as X." in x_only and "as O." not in x_only
+    assert "as O." in o_only and "as X." not in o_only
+    assert x_only != default or o_only != default
+    refused = page(alice_client, "/envs/tictactoe/preview/?param_max_turns=99")
+    assert 'id="preview-error"' in refused and "max_turns" in refused
+    assert alice_client.get("/envs/nope/preview/").status_code == 404
+    assert 'data-preview-url="/envs/tictactoe/preview/"' in page(
+        alice_client, "/envs/tictactoe/new/"
+    )

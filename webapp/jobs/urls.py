@@ -10,6 +10,7 @@ urlpatterns = [
     path("", views.home, name="home"),
     path("envs/", views.env_list, name="env_list"),
     path("envs/<str:env_name>/new/", views.env_config_create, name="env_config_create"),
+    path("envs/<str:env_name>/preview/", views.env_preview, name="env_preview"),
     path("envs/configs/<int:pk>/", views.env_config_edit, name="env_config_edit"),
     path("envs/configs/<int:pk>/delete/", views.env_config_delete, name="env_config_delete"),
     path("models/", views.model_list, name="model_list"),

@@ -16,7 +16,7 @@ from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from rlcore.envs import ParamError, get_env_class, list_environments
 from rlcore.types import jsonl_line
@@ -91,6 +91,34 @@ def env_config_create(request, env_name: str):
         request,
         "jobs/env_config_form.html",
         {"form": form, "env_name": env_name, "examples": examples, "preview_error": preview_error},
+    )
+
+
+@login_required
+@require_GET
+def env_preview(request, env_name: str):
+    """The examples the env config form's current parameters give (an HTML fragment the
+    config page swaps into its preview); a parameter the env refuses is the error shown."""
+    try:
+        get_env_class(env_name)
+    except KeyError:
+        raise Http404(f"no environment named {env_name!r}") from None
+    form = EnvConfigForm(
+        {"name": "preview", **{k: v for k, v in request.GET.items() if k.startswith("param_")}},
+        env_name=env_name,
+    )
+    if form.is_valid():
+        examples, preview_error = _preview(env_name, form.params(), _seed(request))
+    else:
+        examples = []
+        preview_error = "; ".join(
+            f"{name.removeprefix('param_')}: {' '.join(errors)}"
+            for name, errors in form.errors.items()
+        )
+    return render(
+        request,
+        "jobs/_env_preview.html",
+        {"examples": examples, "preview_error": preview_error},
     )
 
 
