@@ -66,7 +66,8 @@ async def run_rollouts(
     after the reply being generated (or sooner, where the policy itself stops: the local
     engine given the same `should_stop`), and both are left out of the result (an
     unfinished game would pass for a lost one). Every rollout returned was played to its
-    end.
+    end and carries the env's facts about it (`Environment.rollout_facts`), a failed one
+    included.
     """
     semaphore = asyncio.Semaphore(max(1, concurrency))
 
@@ -89,6 +90,7 @@ async def run_rollouts(
                 )
             if isinstance(player, _StoppablePolicy) and player.stopped:
                 return None
+            result.facts = env.rollout_facts(result)
         if on_result is not None:
             on_result(result)
         return result

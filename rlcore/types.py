@@ -106,6 +106,9 @@ class Rollout:
     turns: list[Turn] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     seconds: float = 0.0
+    # The env's declared facts about this rollout (Environment.rollout_facts), which the
+    # inspector filters and sorts on.
+    facts: dict = field(default_factory=dict)
 
     @property
     def completion(self) -> list[Message]:
@@ -128,6 +131,7 @@ class Rollout:
             "truncated": self.truncated,
             "error": self.error,
             "info": self.info,
+            "facts": self.facts,
             "seconds": round(self.seconds, 4),
         }
         if with_tokens:
@@ -155,4 +159,5 @@ class Rollout:
             turns=[Turn(**t) for t in row.get("turns", [])],
             info=row.get("info", {}),
             seconds=row.get("seconds", 0.0),
+            facts=row.get("facts", {}),
         )

@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.envs.tictactoe import (
-    OraclePolicy,
+from rlcore.envs.tictactoe_game import (
     empty_cells,
     game_over,
     game_value,
@@ -24,6 +23,7 @@ from rlcore.envs.tictactoe import (
     turn_seed,
     winner,
 )
+from rlcore.envs.tictactoe_players import OraclePolicy
 from rlcore.types import SamplingParams
 
 # chi-square critical values at p = 0.001: a fair sampler fails once in a thousand seeds-sets

@@ -392,7 +392,8 @@ def test_per_move_rewards_need_an_env_that_gives_them(tiny_model, tmp_path):
 @pytest.fixture(scope="module")
 def thinking_model(tiny_model, tmp_path_factory) -> str:
     """The tiny model after a short SFT on opening tic-tac-toe replies with a think block."""
-    from rlcore.envs.tictactoe import system_prompt, think_reply
+    from rlcore.envs.tictactoe import system_prompt
+    from rlcore.envs.tictactoe_players import think_reply
 
     rng = random.Random(0)
     conversations = [

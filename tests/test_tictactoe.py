@@ -14,22 +14,23 @@ from hypothesis import strategies as st
 
 from rlcore.envs import ParamError, load_environment
 from rlcore.envs.tictactoe import (
-    OraclePolicy,
-    PlaySession,
-    RandomValidPolicy,
     TicTacToeEnv,
-    empty_cells,
     format_reward,
-    game_value,
     is_well_formatted,
-    minimax_best_moves,
     outcome_label,
+)
+from rlcore.envs.tictactoe_game import (
+    empty_cells,
+    game_value,
+    minimax_best_moves,
     parse_move,
     render_board,
     sound_moves,
     think_text,
     winning_cells,
 )
+from rlcore.envs.tictactoe_play import PlaySession
+from rlcore.envs.tictactoe_players import OraclePolicy, RandomValidPolicy
 from rlcore.policy import load_policy
 from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
 from rlcore.rollout import run_rollouts

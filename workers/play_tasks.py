@@ -22,7 +22,7 @@ from celery.utils.log import get_task_logger
 from django.db import close_old_connections
 
 from rlcore.envs import load_environment
-from rlcore.envs.tictactoe import parse_move
+from rlcore.envs.tictactoe_game import parse_move
 from rlcore.parsers import ThinkParser
 from rlcore.policy import Policy, load_policy
 from webapp.jobs.models import ApiKey

@@ -5,7 +5,9 @@ example against a policy, and scores it with its rubric. `MultiTurnEnv` holds th
 (`setup_state`, `env_response`, `is_completed`, `max_turns`); `SingleTurnEnv` is the
 one-reply case; `ToolEnv` runs Python functions the model calls and answers with tool
 messages. Parameters are declared as `Param`s so the CLI validates `-a` JSON and the web
-builds its form from the same schema.
+builds its form from the same schema. An environment also declares what the rollout
+inspector may filter and sort on (`facts`, valued per rollout by `rollout_facts`) and how
+its final state is drawn (`state_views`), so the web knows no environment by name.
 """
 
 from __future__ import annotations
@@ -131,6 +133,53 @@ def validate_params(schema: list[Param], values: dict | None) -> dict:
     return resolved
 
 
+FACT_TYPES = ("int", "float", "str")
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One thing the rollout inspector may filter and sort rollouts of an env on: numbers
+    by a range, text by equality. `rollout_facts` gives its value per rollout."""
+
+    name: str
+    label: str
+    type: str  # one of FACT_TYPES
+    help: str = ""
+    min: float | None = None  # the range a filter may ask for, where one makes sense
+    max: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in FACT_TYPES:
+            raise TypeError(
+                f"fact {self.name!r}: type must be one of {FACT_TYPES}, got {self.type!r}"
+            )
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
+            raise TypeError(f"fact {self.name!r}: a name is lower-case letters, digits and _")
+
+    def coerce(self, value: Any) -> Any:
+        """`value` as this fact's type, or None when it is missing or not one (a rollout
+        that failed before the env set it up)."""
+        if value is None or isinstance(value, bool):
+            return None
+        if self.type == "str":
+            return value if isinstance(value, str) else None
+        if not isinstance(value, int | float) or value != value or abs(value) == float("inf"):
+            return None
+        if self.type == "int":
+            return int(value) if float(value).is_integer() else None
+        return float(value)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "label": self.label,
+            "type": self.type,
+            "help": self.help,
+            "min": self.min,
+            "max": self.max,
+        }
+
+
 def example_seed(seed: int, index: int) -> int:
     """A stable 31-bit seed for example `index` of a dataset built from `seed`."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
@@ -150,6 +199,11 @@ class Environment(ABC):
     # Outcome labels a summary always reports, at zero when none occurred, so "0 losses"
     # is shown rather than left out (labels seen but not listed are reported too).
     outcome_labels: ClassVar[tuple[str, ...]] = ()
+    # What the rollout inspector filters and sorts this env's rollouts on (values come
+    # from `rollout_facts`); none by default.
+    facts: ClassVar[list[Fact]] = []
+    # The heading the inspector puts over `state_views`.
+    state_views_title: ClassVar[str] = "Final state"
 
     def __init__(self, **params: Any):
         self.config = validate_params(self.params, params)
@@ -199,6 +253,32 @@ class Environment(ABC):
         """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are
         reported per value of each label."""
         return {}
+
+    def rollout_values(self, rollout: Rollout) -> dict[str, Any]:
+        """The raw value of each declared fact for one rollout (may be partial: a rollout
+        that failed early has little state); `rollout_facts` types and filters them."""
+        return {}
+
+    def rollout_facts(self, rollout: Rollout) -> dict[str, Any]:
+        """{fact name: value} for the facts declared in `facts`, each of its declared
+        type; a fact without a value is left out rather than stored as a guess."""
+        values = self.rollout_values(rollout)
+        facts = {}
+        for fact in self.facts:
+            value = fact.coerce(values.get(fact.name))
+            if value is not None:
+                facts[fact.name] = value
+        return facts
+
+    @classmethod
+    def state_views(cls, state: dict) -> list[dict]:
+        """How a final state is drawn, as plain data a generic page renders: a list of
+        views such as {"kind": "grid", "title", "rows": [[text, ...], ...], "highlight":
+        [[row, col]], "tones": {text: 1 or 2}, "muted", "notes": [{"name", "ok", "text"}]}
+        or {"kind": "text", "title", "text"}. None by default: the page shows the state's
+        JSON. A classmethod, because stored states are drawn without rebuilding the env
+        from a job's (maybe older) parameters; it must not fail on a malformed state."""
+        return []
 
     def builtin_policies(self) -> dict[str, Callable[[], Policy]]:
         """Players the env provides itself, by name (e.g. oracle, random)."""
@@ -415,6 +495,12 @@ class ToolEnv(MultiTurnEnv):
     """
 
     tools: ClassVar[list[Callable]] = []
+    facts: ClassVar[list[Fact]] = [
+        Fact("tool_calls", "tool calls", "int", "Calls the model made in the episode."),
+        Fact(
+            "tool_errors", "tool errors", "int", "Calls that failed (unknown tool, bad arguments)."
+        ),
+    ]
 
     @property
     def tool_schemas(self) -> list[dict]:
@@ -432,6 +518,9 @@ class ToolEnv(MultiTurnEnv):
 
     def setup_state(self, example: Example) -> dict:
         return {"tool_calls": 0, "tool_errors": 0}
+
+    def rollout_values(self, rollout: Rollout) -> dict[str, Any]:
+        return {name: rollout.state.get(name) for name in ("tool_calls", "tool_errors")}
 
     def _calls(self, message: Message) -> list[dict]:
         native = message.get("tool_calls")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from functools import partial
 
-from rlcore.envs.base import MultiTurnEnv, Param, example_seed
+from rlcore.envs.base import Fact, MultiTurnEnv, Param, example_seed
 from rlcore.envs.calculator import parse_number
 from rlcore.parsers import XMLParser, assistant_texts
 from rlcore.policy.base import ConstantPolicy, Policy
@@ -147,6 +147,9 @@ class DoubleCheckEnv(MultiTurnEnv):
         "sure?' and the final answer is scored. Metrics show fixed and broken answers."
     )
     outcome_labels = ("correct", "incorrect")
+    facts = [
+        Fact("kind", "question kind", "str", "The kind of question the example asked."),
+    ]
     max_turns = 2
     params = [
         Param(
@@ -244,6 +247,9 @@ class DoubleCheckEnv(MultiTurnEnv):
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         return {"kind": str(rollout.info.get("kind", ""))}
+
+    def rollout_values(self, rollout: Rollout) -> dict:
+        return {"kind": rollout.info.get("kind")}
 
     def builtin_policies(self) -> dict[str, Callable[[], Policy]]:
         return {

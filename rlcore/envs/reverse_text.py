@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from importlib import resources
 
-from rlcore.envs.base import Param, SingleTurnEnv, example_seed
+from rlcore.envs.base import Fact, Param, SingleTurnEnv, example_seed
 from rlcore.parsers import ThinkParser, XMLParser, last_assistant_text
 from rlcore.policy.base import ConstantPolicy, Policy
 from rlcore.rubric import Rubric
@@ -137,6 +137,7 @@ class ReverseTextEnv(SingleTurnEnv):
         "by its longest-common-subsequence ratio to the true reversal."
     )
     outcome_labels = ("correct", "incorrect")
+    facts = [Fact("text_chars", "text length", "int", "Characters in the text to reverse.")]
     params = [
         Param(
             "mode",
@@ -208,6 +209,10 @@ class ReverseTextEnv(SingleTurnEnv):
 
     def outcome(self, state: dict, rewards: dict[str, float]) -> str:
         return "correct" if rewards.get("lcs") == 1.0 else "incorrect"
+
+    def rollout_values(self, rollout: Rollout) -> dict:
+        text = rollout.info.get("text")
+        return {"text_chars": len(text) if isinstance(text, str) else None}
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         answer = parse_reversal(last_assistant_text(rollout.completion))

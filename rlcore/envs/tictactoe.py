@@ -15,227 +15,52 @@ makes the winner finish and the loser block. An invalid reply (no move tag, not 
 off the board, taken cell) does not end the game: the env says what was wrong, shows the
 same board and the model tries again, each try counting toward `max_turns`.
 
-Besides the environment this module holds the board helpers (`winner`, `empty_cells`,
-`minimax_best_moves`, `oracle_best_moves`, `render_board`), the built-in players
-(`OraclePolicy`, `RandomValidPolicy`) and `PlaySession`, the web Play page's game of a
-human against a policy, which builds the very messages the environment would.
+This module holds the prompts, the rubric and `TicTacToeEnv`; how one model reply is
+judged (`game_state`, `model_reply`) is shared with the Play page's game
+(tictactoe_play.py). The rules and the solver are in tictactoe_game.py, the built-in
+players in tictactoe_players.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
-import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from fractions import Fraction
-from functools import cache
 from typing import Any
 
-from rlcore.envs.base import MultiTurnEnv, Param, example_seed
-from rlcore.parsers import ThinkParser, XMLParser
-from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
-from rlcore.rubric import Rubric
-from rlcore.types import Example, Generation, Message, Rollout, SamplingParams
-
-EMPTY = "."
-MARKS = ("X", "O")
-LINES = (
-    (0, 1, 2),
-    (3, 4, 5),
-    (6, 7, 8),
-    (0, 3, 6),
-    (1, 4, 7),
-    (2, 5, 8),
-    (0, 4, 8),
-    (2, 4, 6),
+from rlcore.envs.base import Fact, MultiTurnEnv, Param, example_seed
+from rlcore.envs.tictactoe_game import (
+    EMPTY,
+    REASONING_FORMATS,
+    check_mark,
+    game_over,
+    move_values,
+    opponent_move,
+    other_mark,
+    parse_move,
+    play_move,
+    random_opening,
+    render_board,
+    result_for,
+    sound_moves,
+    stable_seed,
+    think_parser,
+    think_text,
+    winner,
 )
+from rlcore.envs.tictactoe_players import OraclePolicy, RandomValidPolicy
+from rlcore.parsers import XMLParser
+from rlcore.policy.base import ConstantPolicy, Policy
+from rlcore.rubric import Rubric
+from rlcore.types import Example, Message, Rollout
+
 # A win pays 1; the draw and loss rewards are env params (an unfinished game pays the loss
 # reward), these their defaults.
 OUTCOME_REWARD = {"win": 1.0, "draw": 0.5, "loss": 0.0}
-# What a think block reads off the board (`think_text`).
-REASONING_FORMATS = ("empty", "threats")
-MOVE_FORMAT_HINT = "reply with <move>N</move>, N in 0-8"
-# The longest move tag content read as a number ("+04" and "008" still are).
-MAX_MOVE_CHARS = 4
-
-# ---------------------------------------------------------------------------------------
-# Board helpers
-
-
-def _board_string(board: Sequence[str] | str) -> str:
-    """The board as a 9-character string, or ValueError naming what was wrong."""
-    text = board if isinstance(board, str) else "".join(board)
-    if len(text) != 9 or any(cell not in ("X", "O", EMPTY) for cell in text):
-        raise ValueError(f"a board is 9 cells, each 'X', 'O' or '{EMPTY}'; got {board!r}")
-    return text
-
-
-def _check_mark(mark: str) -> str:
-    if mark not in MARKS:
-        raise ValueError(f"a mark is 'X' or 'O', got {mark!r}")
-    return mark
-
-
-def other_mark(mark: str) -> str:
-    return "O" if _check_mark(mark) == "X" else "X"
-
-
-def winner(board: Sequence[str] | str) -> str | None:
-    """'X' or 'O' if that mark has three in a row, else None."""
-    text = _board_string(board)
-    for a, b, c in LINES:
-        if text[a] != EMPTY and text[a] == text[b] == text[c]:
-            return text[a]
-    return None
-
-
-def empty_cells(board: Sequence[str] | str) -> list[int]:
-    return [i for i, cell in enumerate(_board_string(board)) if cell == EMPTY]
-
-
-def game_over(board: Sequence[str] | str) -> bool:
-    return winner(board) is not None or not empty_cells(board)
-
-
-def render_board(board: Sequence[str] | str) -> str:
-    """Three rows of three characters, the form every prompt shows: 'X', 'O', or the
-    cell's number where it is empty ("X1O" / "3X5" / "678"). Numbering the empty cells in
-    place means a model reads the legal moves off the board instead of counting positions."""
-    text = _board_string(board)
-    cells = [str(i) if mark == EMPTY else mark for i, mark in enumerate(text)]
-    return "\n".join("".join(cells[row : row + 3]) for row in (0, 3, 6))
-
-
-@cache
-def _position_score(board: str, player: str) -> int:
-    """Minimax score of `board` for `player` to move: positive wins, 0 draws, negative
-    losses; a win counts 1 + the cells still empty when it lands, so sooner is bigger."""
-    if winner(board) is not None:
-        # Only the player who just moved can have completed a line.
-        return -(1 + board.count(EMPTY))
-    scores = _move_scores(board, player)
-    return max(score for _, score in scores) if scores else 0
-
-
-@cache
-def _move_scores(board: str, player: str) -> tuple[tuple[int, int], ...]:
-    """(cell, score for `player`) for every empty cell, searched exhaustively."""
-    opponent = "O" if player == "X" else "X"
-    scores = []
-    for cell, mark in enumerate(board):
-        if mark == EMPTY:
-            child = board[:cell] + player + board[cell + 1 :]
-            scores.append((cell, -_position_score(child, opponent)))
-    return tuple(scores)
-
-
-def game_value(board: Sequence[str] | str, player: str) -> int:
-    """The game-theoretic value for `player` to move under perfect play: 1, 0 or -1."""
-    score = _position_score(_board_string(board), _check_mark(player))
-    return (score > 0) - (score < 0)
-
-
-def move_values(board: Sequence[str] | str, player: str) -> dict[int, int]:
-    """For every empty cell, the game-theoretic value (1, 0 or -1) for `player` after
-    playing there; the position's own `game_value` is the best of them."""
-    text = _board_string(board)
-    _check_mark(player)
-    if game_over(text):
-        raise ValueError(f"no moves: the game on board {text!r} is over")
-    return {cell: (score > 0) - (score < 0) for cell, score in _move_scores(text, player)}
-
-
-def sound_moves(board: Sequence[str] | str, player: str) -> list[int]:
-    """Every cell whose move keeps the game-theoretic value for `player` (`game_value`):
-    from a won position the moves that still win, from a drawn one those that still draw,
-    from a lost one every move. A player who only ever makes sound moves never loses a
-    game it could draw and never draws one it could win; unlike `minimax_best_moves`,
-    slower wins and every drawing move count."""
-    values = move_values(board, player)
-    best = max(values.values())
-    return [cell for cell, value in values.items() if value == best]
-
-
-def minimax_best_moves(board: Sequence[str] | str, player: str) -> list[int]:
-    """Every cell with the best minimax score for `player`, in board order.
-
-    Scores favour sooner wins and later losses, so from a won position only the fastest
-    wins are listed and from a lost one only the moves that hold out longest. Callers pick
-    among the list at random; taking the first would make a predictable player.
-    """
-    text = _board_string(board)
-    _check_mark(player)
-    if game_over(text):
-        raise ValueError(f"no moves: the game on board {text!r} is over")
-    scores = _move_scores(text, player)
-    best = max(score for _, score in scores)
-    return [cell for cell, score in scores if score == best]
-
-
-@cache
-def _win_chance(board: str, player: str, to_move: str) -> Fraction:
-    """Chance that `player`, always choosing among `oracle_best_moves`, beats an opponent
-    who plays uniformly at random; exact fractions so symmetric moves tie exactly."""
-    won_by = winner(board)
-    if won_by is not None or EMPTY not in board:
-        return Fraction(int(won_by == player))
-    next_to_move = "O" if to_move == "X" else "X"
-    if to_move == player:
-        return max(_safe_move_chances(board, player).values())
-    chances = [
-        _win_chance(board[:cell] + to_move + board[cell + 1 :], player, next_to_move)
-        for cell in empty_cells(board)
-    ]
-    return sum(chances, Fraction(0)) / len(chances)
-
-
-@cache
-def _safe_move_chances(board: str, player: str) -> dict[int, Fraction]:
-    opponent = "O" if player == "X" else "X"
-    return {
-        cell: _win_chance(board[:cell] + player + board[cell + 1 :], player, opponent)
-        for cell in minimax_best_moves(board, player)
-    }
-
-
-def oracle_best_moves(board: Sequence[str] | str, player: str) -> list[int]:
-    """The oracle's candidates: among `minimax_best_moves` (so it never loses and wins as
-    fast as it can), those that give an opponent playing at random the most chances to
-    go wrong. Exact ties (symmetric cells, say) all stay in, to be picked at random."""
-    text = _board_string(board)
-    chances = _safe_move_chances(text, _check_mark(player))
-    best = max(chances.values())
-    return [cell for cell, chance in chances.items() if chance == best]
-
-
-def stable_seed(*parts: Any) -> int:
-    """A 63-bit seed from the parts' text (sha256, unlike hash(), is the same every run)."""
-    digest = hashlib.sha256(":".join(str(part) for part in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
-def turn_seed(seed: int, board: Sequence[str] | str) -> int:
-    """The opponent's seed on `board` in the game of example seed `seed`."""
-    return stable_seed(seed, _board_string(board))
-
-
-def opponent_move(board: Sequence[str] | str, mark: str, random_move_prob: float, seed: int) -> int:
-    """The opponent's reply: a random empty cell with probability `random_move_prob`, else
-    a minimax best move chosen uniformly; fully determined by (seed, board)."""
-    text = _board_string(board)
-    rng = random.Random(turn_seed(seed, text))
-    if rng.random() < random_move_prob:
-        return rng.choice(empty_cells(text))
-    return rng.choice(minimax_best_moves(text, mark))
-
 
 # ---------------------------------------------------------------------------------------
 # Replies and messages (shared by the environment and PlaySession)
 
-_think_parser = ThinkParser()
-_move_parser = XMLParser(["move"])
 _STRICT_REPLY = re.compile(r"\s*<think>.*?</think>\s*<move>\s*[0-9]+\s*</move>\s*", re.DOTALL)
 
 
@@ -245,31 +70,9 @@ def is_well_formatted(text: str | None) -> bool:
     return _STRICT_REPLY.fullmatch(text or "") is not None
 
 
-def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None, str | None]:
-    """(cell, None) for a valid move on `board`, else (None, what was wrong).
-
-    The move is the last `<move>` tag after the optional think block, so a move merely
-    mentioned while thinking does not count.
-    """
-    _, answer = _think_parser.parse(text)
-    raw = _move_parser.parse_answer(answer, "move")
-    if raw is None or not re.fullmatch(r"[+-]?[0-9]+", raw):
-        return None, MOVE_FORMAT_HINT
-    if len(raw) > MAX_MOVE_CHARS:
-        # Never int(raw): int() refuses more than 4300 digits. A cell number is one digit;
-        # a tag this long is not a move, however many of its digits are leading zeros.
-        return None, f"the move {raw[:8]}... is {len(raw)} characters long; {MOVE_FORMAT_HINT}"
-    cell = int(raw)
-    if not 0 <= cell <= 8:
-        return None, f"cell {cell} is not in 0-8"
-    if _board_string(board)[cell] != EMPTY:
-        return None, f"cell {cell} is taken"
-    return cell, None
-
-
 def system_prompt(model_mark: str) -> str:
     return (
-        f"You play tic-tac-toe as {_check_mark(model_mark)}. Empty cells show their number 0-8. "
+        f"You play tic-tac-toe as {check_mark(model_mark)}. Empty cells show their number 0-8. "
         "Reply with <think>brief reasoning</think> then <move>N</move>."
     )
 
@@ -296,41 +99,61 @@ def board_message(
     return "\n".join(lines)
 
 
-def result_for(board: Sequence[str] | str, model_mark: str) -> str | None:
-    """'win', 'loss' or 'draw' from the model's view once the game is over, else None."""
-    won_by = winner(board)
-    if won_by is not None:
-        return "win" if won_by == model_mark else "loss"
-    return "draw" if not empty_cells(board) else None
+def game_state(
+    *,
+    seed: int,
+    model_mark: str,
+    model_starts: bool,
+    random_move_prob: float | None,
+    reasoning: str = "empty",
+) -> dict:
+    """A fresh game's state, the shape a rollout's final state has: the board and its
+    moves, and per model reply whether it was sound and whether its think block read the
+    board right. `random_move_prob` is None where a person, not the env, plays the
+    opponent (the Play page)."""
+    return {
+        "seed": seed,
+        "board": [EMPTY] * 9,
+        "winner": None,
+        "model_mark": check_mark(model_mark),
+        "opponent_mark": other_mark(model_mark),
+        "random_move_prob": random_move_prob,
+        "model_starts": model_starts,
+        "moves": [],
+        # Per model reply: whether its move was sound (kept the game-theoretic value),
+        # None for an invalid reply.
+        "move_sound": [],
+        # Per model reply: whether its think block read the board right (`think_text`).
+        "think_correct": [],
+        "reasoning": reasoning,
+        "invalid_moves": 0,
+        "model_turns": 0,
+    }
 
 
-def random_opening(board: list[str], model_mark: str, rounds: int, rng: random.Random) -> list[int]:
-    """Play up to `rounds` random (model move, opponent reply) pairs on `board` in place and
-    return their cells in order. Only pairs after which the game goes on are drawn, so the
-    model always has a live position to move in; it stops early when none is left."""
-    opponent_mark = other_mark(model_mark)
-    cells: list[int] = []
-    for _ in range(rounds):
-        pairs = []
-        for mine in empty_cells(board):
-            after = board[:mine] + [model_mark] + board[mine + 1 :]
-            if game_over(after):
-                continue
-            for theirs in empty_cells(after):
-                final = after[:theirs] + [opponent_mark] + after[theirs + 1 :]
-                if not game_over(final):
-                    pairs.append((mine, theirs))
-        if not pairs:
-            break
-        mine, theirs = rng.choice(pairs)
-        board[mine], board[theirs] = model_mark, opponent_mark
-        cells.extend((mine, theirs))
-    return cells
+def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]:
+    """Judge one model reply in the game `state` and apply it: the turn is counted, its
+    think block and move recorded, and a valid move played. Returns (cell, None), or
+    (None, what was wrong) for an invalid reply, which leaves the board as it was and
+    counts in `invalid_moves`; the model is then shown `retry_message`."""
+    state["model_turns"] += 1
+    board = state["board"]
+    expected = think_text(board, state["model_mark"], state["reasoning"])
+    state["think_correct"].append(think_parser.think(reply) == expected)
+    cell, error = parse_move(reply, board)
+    if error is not None:
+        state["invalid_moves"] += 1
+        state["move_sound"].append(None)
+        return None, error
+    state["move_sound"].append(cell in sound_moves(board, state["model_mark"]))
+    play_move(board, state["moves"], cell, state["model_mark"], "model")
+    state["winner"] = winner(board)
+    return cell, None
 
 
-def _play(board: list[str], moves: list[dict], cell: int, mark: str, player: str) -> None:
-    board[cell] = mark
-    moves.append({"player": player, "mark": mark, "cell": cell})
+def retry_message(state: dict, error: str) -> Message:
+    """What the model is told after an invalid reply: the error and the same board."""
+    return {"role": "user", "content": board_message(state["board"], error=error)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,6 +186,23 @@ class TicTacToeEnv(MultiTurnEnv):
 
     name = "tictactoe"
     outcome_labels = ("win", "draw", "loss", "unfinished")
+    facts = [
+        Fact(
+            "invalid_moves",
+            "invalid moves",
+            "int",
+            "Invalid replies in the game (no move, off the board, a taken cell).",
+        ),
+        Fact(
+            "random_move_prob",
+            "opponent random p",
+            "float",
+            "The chance the opponent played a random cell instead of its minimax move.",
+            min=0.0,
+            max=1.0,
+        ),
+    ]
+    state_views_title = "Board, move by move"
     description = (
         "Tic-tac-toe against minimax with random blunders; rewards for winning, the "
         "<think>/<move> format, and a capped penalty for invalid moves."
@@ -576,33 +416,24 @@ class TicTacToeEnv(MultiTurnEnv):
 
     def setup_state(self, example: Example) -> dict:
         model_mark = example.info["model_mark"]
-        state = {
-            "seed": example.seed,
-            "board": [EMPTY] * 9,
-            "winner": None,
-            "model_mark": model_mark,
-            "opponent_mark": other_mark(model_mark),
-            "random_move_prob": example.info["random_move_prob"],
-            "model_starts": example.info["model_starts"],
-            "moves": [],
-            # Per model reply: whether its move was sound (kept the game-theoretic value),
-            # None for an invalid reply.
-            "move_sound": [],
-            # Per model reply: whether its think block read the board right (`think_text`).
-            "think_correct": [],
-            "reasoning": self.config["reasoning"],
-            "invalid_moves": 0,
-            "model_turns": 0,
-        }
+        state = game_state(
+            seed=example.seed,
+            model_mark=model_mark,
+            model_starts=example.info["model_starts"],
+            random_move_prob=example.info["random_move_prob"],
+            reasoning=self.config["reasoning"],
+        )
         first_move = example.info["opponent_first_move"]
         if first_move is not None:
-            _play(state["board"], state["moves"], first_move, state["opponent_mark"], "opponent")
+            play_move(
+                state["board"], state["moves"], first_move, state["opponent_mark"], "opponent"
+            )
         opening = example.info.get("opening", [])
         for index, cell in enumerate(opening):
             mark, player = (
                 (model_mark, "model") if index % 2 == 0 else (state["opponent_mark"], "opponent")
             )
-            _play(state["board"], state["moves"], cell, mark, player)
+            play_move(state["board"], state["moves"], cell, mark, player)
             state["moves"][-1]["opening"] = True
         return state
 
@@ -615,24 +446,16 @@ class TicTacToeEnv(MultiTurnEnv):
         return f"{''.join(state['board'])}/{state['model_turns']}"
 
     def env_response(self, messages: list[Message], state: dict) -> list[Message]:
-        state["model_turns"] += 1
         board = state["board"]
-        reply = messages[-1].get("content")
-        expected = think_text(board, state["model_mark"], state["reasoning"])
-        state["think_correct"].append(_think_parser.think(reply) == expected)
-        cell, error = parse_move(reply, board)
+        cell, error = model_reply(state, messages[-1].get("content"))
         if error is not None:
-            state["invalid_moves"] += 1
-            state["move_sound"].append(None)
-            return [{"role": "user", "content": board_message(board, error=error)}]
-        state["move_sound"].append(cell in sound_moves(board, state["model_mark"]))
-        _play(board, state["moves"], cell, state["model_mark"], "model")
+            return [retry_message(state, error)]
         opponent_cell = None
         if not game_over(board):
             opponent_cell = opponent_move(
                 board, state["opponent_mark"], state["random_move_prob"], state["seed"]
             )
-            _play(board, state["moves"], opponent_cell, state["opponent_mark"], "opponent")
+            play_move(board, state["moves"], opponent_cell, state["opponent_mark"], "opponent")
         state["winner"] = winner(board)
         content = board_message(
             board,
@@ -690,289 +513,89 @@ class TicTacToeEnv(MultiTurnEnv):
     def builtin_policies(self) -> dict[str, Callable[[], Policy]]:
         return {"oracle": OraclePolicy, "random": RandomValidPolicy, "constant": ConstantPolicy}
 
-
-# ---------------------------------------------------------------------------------------
-# Built-in players
-
-
-def winning_cells(board: Sequence[str] | str, mark: str) -> list[int]:
-    """The empty cells that would complete a line of `mark` (a win for it on the spot)."""
-    text = _board_string(board)
-    _check_mark(mark)
-    cells = set()
-    for line in LINES:
-        marks = [text[i] for i in line]
-        if marks.count(mark) == 2 and marks.count(EMPTY) == 1:
-            cells.add(line[marks.index(EMPTY)])
-    return sorted(cells)
-
-
-def think_text(board: Sequence[str] | str, mark: str, reasoning: str = "empty") -> str:
-    """What the built-in players think before moving as `mark`, in `reasoning` format:
-    'Empty: 0 4 8.' and, for 'threats', 'Win: 2. Block: none.' (the cells where `mark`
-    completes a line, then those where the opponent would). Facts about the board only,
-    never the choice: the env counts a model's think block right when it equals this."""
-    if reasoning not in REASONING_FORMATS:
-        raise ValueError(f"reasoning must be one of {REASONING_FORMATS}, got {reasoning!r}")
-    text = f"Empty: {_cell_list(empty_cells(board))}."
-    if reasoning == "threats":
-        wins = _cell_list(winning_cells(board, mark))
-        blocks = _cell_list(winning_cells(board, other_mark(mark)))
-        text += f" Win: {wins}. Block: {blocks}."
-    return text
-
-
-def _cell_list(cells: list[int]) -> str:
-    return " ".join(map(str, cells)) or "none"
-
-
-def think_reply(
-    board: Sequence[str] | str, move: int, mark: str = "X", reasoning: str = "empty"
-) -> str:
-    """The built-in players' reply: the board read in the think block (`think_text`),
-    then the move.
-
-    The think block states facts (empty cells, and for 'threats' the lines one move from
-    done); the choice itself is left to the move tag alone (a "I pick N." in the think
-    block, decided there and copied into the tag, made SFT'd models play more invalid
-    moves and learn slower under RL: docs/mastery.md)."""
-    return f"<think>{think_text(board, mark, reasoning)}</think><move>{move}</move>"
-
-
-class _BoardPolicy(Policy):
-    """A player that reads the board and its mark from the tic-tac-toe `state` it is handed.
-
-    Its randomness is seeded per call from (policy seed, sampling seed, state seed, board),
-    so a rerun replays the same games while different boards get independent draws.
-    """
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-
-    def _board_and_rng(self, sampling: SamplingParams, state: dict | None):
-        if not state or "board" not in state or "model_mark" not in state:
-            raise PolicyError(
-                f"{type(self).__name__} plays tic-tac-toe only: it needs the env state with "
-                f"'board' and 'model_mark', got {sorted(state or {})}"
-            )
-        board = _board_string(state["board"])
-        rng = random.Random(
-            stable_seed(self.name, self.seed, sampling.seed, state.get("seed", 0), board)
-        )
-        return board, state["model_mark"], rng
-
-    def _think_reply(self, board: str, move: int, state: dict) -> Generation:
-        """The reply in the reasoning format of the env whose `state` this is."""
-        reasoning = state.get("reasoning", "empty")
-        return self._reply(think_reply(board, move, state["model_mark"], reasoning))
-
-    @staticmethod
-    def _reply(text: str) -> Generation:
-        return Generation(text=text, completion_tokens=len(text.split()))
-
-
-class OraclePolicy(_BoardPolicy):
-    """Perfect play: never loses, wins as fast as it can, and in drawn positions prefers the
-    moves that leave a fallible opponent the most ways to lose (`oracle_best_moves`);
-    uniform among equally good moves."""
-
-    name = "oracle"
-
-    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
-        board, mark, rng = self._board_and_rng(sampling, state)
-        move = rng.choice(oracle_best_moves(board, mark))
-        return self._think_reply(board, move, state)
-
-
-class RandomValidPolicy(_BoardPolicy):
-    """A uniformly random empty cell, in the exact reply format."""
-
-    name = "random"
-
-    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
-        board, _, rng = self._board_and_rng(sampling, state)
-        move = rng.choice(empty_cells(board))
-        return self._think_reply(board, move, state)
-
-
-# ---------------------------------------------------------------------------------------
-# Play page
-
-
-@dataclass
-class PlaySession:
-    """One game of a human against a policy, for the web Play page; JSON via to_dict().
-
-    The model (the policy) sees exactly the conversation the environment would build: the
-    same system prompt, boards and messages, with the human as "Opponent". Flow: create
-    with `PlaySession.new(model_mark, model_starts)`; while not `finished`, call
-    `human_move(cell)` or `await model_turn(policy, sampling)` according to `to_move`.
-    An invalid model reply gets the env's error message and another try, each counted in
-    `invalid_moves`; if all `max_attempts` tries of one turn are invalid the model
-    forfeits: the game ends, `winner` is the human's mark and `outcome` is "unfinished".
-    `outcome` is from the model's view: "win", "draw", "loss", "unfinished" (forfeit), or
-    None while the game is on. `moves` are {"player", "mark", "cell"} in order, with the
-    human as player "opponent", as in the environment's final state. A PolicyError from
-    the policy propagates; the session stays consistent and it is still the model's turn.
-    """
-
-    model_mark: str
-    model_starts: bool
-    seed: int
-    board: list[str] = field(default_factory=lambda: [EMPTY] * 9)
-    moves: list[dict] = field(default_factory=list)
-    messages: list[Message] = field(default_factory=list)
-    invalid_moves: int = 0
-    forfeited: bool = False
-
-    @classmethod
-    def new(cls, model_mark: str, model_starts: bool, seed: int | None = None) -> PlaySession:
-        """A fresh game; `seed` feeds the built-in players' tie-breaks (random if None)."""
-        _check_mark(model_mark)
-        if not isinstance(model_starts, bool):
-            raise ValueError(f"model_starts must be true or false, got {model_starts!r}")
-        session = cls(
-            model_mark=model_mark,
-            model_starts=model_starts,
-            seed=secrets.randbits(31) if seed is None else seed,
-        )
-        session.messages.append({"role": "system", "content": system_prompt(model_mark)})
-        if model_starts:
-            session.messages.append({"role": "user", "content": board_message(session.board)})
-        return session
-
-    def to_dict(self) -> dict:
+    def rollout_values(self, rollout: Rollout) -> dict[str, Any]:
         return {
-            "model_mark": self.model_mark,
-            "model_starts": self.model_starts,
-            "seed": self.seed,
-            "board": list(self.board),
-            "moves": [dict(move) for move in self.moves],
-            "messages": [dict(message) for message in self.messages],
-            "invalid_moves": self.invalid_moves,
-            "forfeited": self.forfeited,
+            "invalid_moves": rollout.state.get("invalid_moves"),
+            "random_move_prob": rollout.info.get(
+                "random_move_prob", rollout.state.get("random_move_prob")
+            ),
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> PlaySession:
-        missing = {"model_mark", "model_starts", "seed", "board", "moves", "messages"} - set(data)
-        if missing:
-            raise ValueError(f"a PlaySession dict needs {sorted(missing)}; got keys {sorted(data)}")
-        session = cls(
-            model_mark=_check_mark(data["model_mark"]),
-            model_starts=bool(data["model_starts"]),
-            seed=int(data["seed"]),
-            board=list(_board_string(data["board"])),
-            moves=[dict(move) for move in data["moves"]],
-            messages=[dict(message) for message in data["messages"]],
-            invalid_moves=int(data.get("invalid_moves", 0)),
-            forfeited=bool(data.get("forfeited", False)),
-        )
-        return session
-
-    @property
-    def human_mark(self) -> str:
-        return other_mark(self.model_mark)
-
-    @property
-    def finished(self) -> bool:
-        return self.forfeited or game_over(self.board)
-
-    @property
-    def winner(self) -> str | None:
-        return self.human_mark if self.forfeited else winner(self.board)
-
-    @property
-    def outcome(self) -> str | None:
-        return "unfinished" if self.forfeited else result_for(self.board, self.model_mark)
-
-    @property
-    def to_move(self) -> str | None:
-        """'model' or 'human', or None once the game is over."""
-        if self.finished:
-            return None
-        if not self.moves:
-            return "model" if self.model_starts else "human"
-        return "human" if self.moves[-1]["player"] == "model" else "model"
-
-    def policy_state(self) -> dict:
-        """The state a built-in player reads, shaped like the environment's."""
-        return {
-            "seed": self.seed,
-            "board": list(self.board),
-            "model_mark": self.model_mark,
-            "opponent_mark": self.human_mark,
-            "model_starts": self.model_starts,
-            "moves": [dict(move) for move in self.moves],
-            "invalid_moves": self.invalid_moves,
-        }
-
-    def human_move(self, cell: int | str) -> None:
-        """Play the human's mark on `cell` (0-8); ValueError if it is not allowed now."""
-        if self.finished:
-            raise ValueError(f"the game is over (outcome for the model: {self.outcome})")
-        if self.to_move != "human":
-            raise ValueError("it is the model's turn, not the human's")
-        if isinstance(cell, str) and re.fullmatch(r"\s*\d+\s*", cell):
-            cell = int(cell)
-        if isinstance(cell, bool) or not isinstance(cell, int) or not 0 <= cell <= 8:
-            raise ValueError(f"cell must be an integer from 0 to 8, got {cell!r}")
-        if self.board[cell] != EMPTY:
-            raise ValueError(
-                f"cell {cell} is taken by {self.board[cell]}; empty: {empty_cells(self.board)}"
-            )
-        _play(self.board, self.moves, cell, self.human_mark, "opponent")
-        content = board_message(
-            self.board, opponent_cell=cell, result=result_for(self.board, self.model_mark)
-        )
-        self.messages.append({"role": "user", "content": content})
-
-    async def model_turn(
-        self, policy: Policy, sampling: SamplingParams | None = None, max_attempts: int = 3
-    ) -> dict:
-        """Ask `policy` for its move, retrying invalid replies as the environment does.
-
-        Returns {text, think, move, valid, error, attempts} for the last reply; `error` is
-        what was wrong with it (None when valid). Forfeits after `max_attempts` bad tries.
-        """
-        if self.finished:
-            raise ValueError(f"the game is over (outcome for the model: {self.outcome})")
-        if self.to_move != "model":
-            raise ValueError("it is the human's turn, not the model's")
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {max_attempts!r}")
-        sampling = sampling or SamplingParams()
-        for attempt in range(1, max_attempts + 1):
-            generation = await policy.generate(self.messages, sampling, state=self.policy_state())
-            text = generation.text
-            self.messages.append({"role": "assistant", "content": text})
-            cell, error = parse_move(text, self.board)
-            think = _think_parser.think(text)
-            if error is None:
-                _play(self.board, self.moves, cell, self.model_mark, "model")
-                if self.finished:
-                    result = result_for(self.board, self.model_mark)
-                    self.messages.append(
-                        {"role": "user", "content": board_message(self.board, result=result)}
+    def state_views(cls, state: dict) -> list[dict]:
+        """The board after each move in `state["moves"]`, captioned with whose move it was;
+        moves of a random opening (`opening_moves`, played before the model took over) are
+        muted so they do not pass for the model's choices, and each of the model's own
+        moves notes the solver's verdict (`move_verdict`) and, where the env recorded it,
+        whether the reply's think block read the board right."""
+        moves = state.get("moves") if isinstance(state, dict) else None
+        if not isinstance(moves, list):
+            return []
+        thinks = _think_verdicts(state)
+        model_moves = 0
+        board = [EMPTY] * 9
+        views = []
+        for number, move in enumerate(moves, start=1):
+            if not isinstance(move, dict) or not isinstance(move.get("cell"), int):
+                continue
+            cell, mark, player = move["cell"], str(move.get("mark", "?")), move.get("player", "")
+            opening = bool(move.get("opening"))
+            notes = []
+            if player == "model" and not opening and 0 <= cell < 9:
+                verdict = move_verdict(list(board), cell, mark)
+                if verdict is not None:
+                    notes.append(
+                        {"name": "verdict", "ok": verdict["sound"], "text": verdict["text"]}
                     )
-                return {
-                    "text": text,
-                    "think": think,
-                    "move": cell,
-                    "valid": True,
-                    "error": None,
-                    "attempts": attempt,
+                if thinks is not None and model_moves < len(thinks):
+                    right = thinks[model_moves]
+                    text = "think: reads the board right" if right else "think: misreads the board"
+                    notes.append({"name": "think-verdict", "ok": right, "text": text})
+                model_moves += 1
+            if 0 <= cell < 9:
+                board[cell] = mark
+            views.append(
+                {
+                    "kind": "grid",
+                    "title": f"{number}. {'opening, random for ' if opening else ''}"
+                    f"{player} {mark} → {cell}",
+                    "rows": [
+                        ["" if m == EMPTY else m for m in board[r : r + 3]] for r in (0, 3, 6)
+                    ],
+                    "highlight": [[cell // 3, cell % 3]] if 0 <= cell < 9 else [],
+                    "tones": {"X": 1, "O": 2},
+                    "muted": opening,
+                    "notes": notes,
                 }
-            self.invalid_moves += 1
-            self.messages.append(
-                {"role": "user", "content": board_message(self.board, error=error)}
             )
-        self.forfeited = True
-        return {
-            "text": text,
-            "think": think,
-            "move": None,
-            "valid": False,
-            "error": error,
-            "attempts": max_attempts,
-        }
+        return views
+
+
+VALUE_NAMES = {1: "a win", 0: "the draw", -1: "a loss"}
+
+
+def move_verdict(board: Sequence[str], cell: int, mark: str) -> dict | None:
+    """Whether playing `mark` on `cell` keeps the game-theoretic value of `board` (the
+    solver's `move_values`), as {"sound", "text"}; None where the position is not a legal
+    one to judge (a stored state from elsewhere, say)."""
+    try:
+        values = move_values(board, mark)
+        before, after = max(values.values()), values[cell]
+    except (ValueError, KeyError):
+        return None
+    if after == before:
+        if before < 0:
+            return {"sound": True, "text": "sound: already lost, no move saves it"}
+        return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}"}
+    return {"sound": False, "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[after]}"}
+
+
+def _think_verdicts(state: dict) -> list[bool] | None:
+    """Whether the think block of each of the model's played moves read the board right,
+    in move order: the env records one entry per reply in `think_correct` and
+    `move_sound` (None there for an invalid reply, which played nothing). None when the
+    state holds no such record or the two records disagree in length."""
+    thinks, sound = state.get("think_correct"), state.get("move_sound")
+    if not isinstance(thinks, list) or not isinstance(sound, list) or len(thinks) != len(sound):
+        return None
+    return [bool(think) for think, played in zip(thinks, sound, strict=True) if played is not None]

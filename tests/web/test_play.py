@@ -10,7 +10,7 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
-from rlcore.envs.tictactoe import PlaySession
+from rlcore.envs.tictactoe_play import PlaySession
 from tests.web.conftest import refused
 from webapp.asgi import application
 from webapp.jobs import services as job_services

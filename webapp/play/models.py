@@ -15,7 +15,8 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
-from rlcore.envs.tictactoe import LINES, PlaySession
+from rlcore.envs.tictactoe_game import LINES
+from rlcore.envs.tictactoe_play import PlaySession
 
 
 class Game(models.Model):

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from rlcore.envs import load_environment
-from rlcore.envs.tictactoe import PlaySession
+from rlcore.envs.tictactoe_play import PlaySession
 from rlcore.types import SamplingParams
 from webapp.jobs.models import ModelEntry
 from webapp.jobs.selectors import models_for_user
