@@ -17,6 +17,12 @@ rows as it goes, and computes each token's logprob as it samples, where generate
 gigabytes for a 150k vocabulary). It returns what a trainer needs: the exact prompt ids,
 the sampled ids including the final eos (so a policy learns to stop), and each sampled
 token's log-probability under the temperature-scaled distribution it was drawn from.
+
+On a GPU that loop is Python- and launch-bound (a few milliseconds a token whatever the
+batch), so there generation goes through `StaticDecoder` (rlcore/policy/static_decode.py):
+a preallocated KV cache and the decode step replayed as a CUDA graph, same outputs. The
+CPU keeps the loop here, and so does any architecture the static decoder does not cover.
+`decode=` picks explicitly ("static" on a CPU runs the static code eagerly, for tests).
 """
 
 from __future__ import annotations
@@ -32,10 +38,22 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.policy.base import Policy, PolicyError, StopRequested
+from rlcore.policy.static_decode import (
+    DecodeRequest,
+    StaticDecoder,
+    sample_tokens,
+    unsupported_reason,
+)
 from rlcore.types import Generation, Message, SamplingParams
 
-# The batch size a generation shrinks in steps of as rows finish (see `_sample`).
+# The batch size a dynamic-loop generation shrinks in steps of as rows finish.
 ROW_BUCKET = 8
+# Default batch caps: on a GPU one step of a large RL batch (1,024 tic-tac-toe games) is
+# served in one batch, which costs little more than 64 rows there; a CPU's step costs in
+# proportion to its rows, so it keeps smaller batches.
+MAX_BATCH_GPU = 1024
+MAX_BATCH_CPU = 64
+DECODE_LOOPS = ("auto", "static", "dynamic")
 # A Hugging Face hub id: "name" or "owner/name", letters, digits, dots, dashes, underscores.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -108,6 +126,9 @@ class LocalEngine(Policy):
     thread): once it says True the batch is abandoned and each of its requests fails with
     StopRequested, so a cancelled run does not wait for a long generation to finish.
     `batches_run`, `requests_served` and `tokens_generated` count the work done.
+    `decode`: "auto" (the static decoder on CUDA when the architecture allows, else the
+    dynamic loop), "static" or "dynamic". `max_batch_size` None: 1024 with the static
+    decoder on a GPU, 64 otherwise.
     """
 
     def __init__(
@@ -118,11 +139,14 @@ class LocalEngine(Policy):
         name: str | None = None,
         model: Any = None,
         tokenizer: Any = None,
-        max_batch_size: int = 64,
+        max_batch_size: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        decode: str = "auto",
     ):
-        if max_batch_size < 1:
+        if max_batch_size is not None and max_batch_size < 1:
             raise PolicyError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if decode not in DECODE_LOOPS:
+            raise PolicyError(f"decode must be one of {', '.join(DECODE_LOOPS)}; got {decode!r}")
         if model is not None or tokenizer is not None:
             if model is None or tokenizer is None:
                 raise PolicyError("pass both model= and tokenizer= (or a path), not only one")
@@ -145,7 +169,6 @@ class LocalEngine(Policy):
             )
         self.name = name or (Path(path).name if path else None) or "local"
         self.path = path
-        self.max_batch_size = max_batch_size
         self.should_stop = should_stop
         self.eos_token_ids = self._stop_token_ids()
         self.pad_token_id = (
@@ -157,6 +180,17 @@ class LocalEngine(Policy):
         # transformers 5 renamed the forward argument `past_key_values` to `cache`.
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_argument = "cache" if "cache" in forward_params else "past_key_values"
+        on_gpu = self.device.startswith("cuda")
+        reason = unsupported_reason(self.model)
+        if decode == "static" and reason is not None:
+            raise PolicyError(f"decode='static' cannot run {self.name!r}: {reason}")
+        if decode == "auto":
+            decode = "static" if on_gpu and reason is None else "dynamic"
+        self.decode = decode
+        self._static: StaticDecoder | None = None
+        if max_batch_size is None:
+            max_batch_size = MAX_BATCH_GPU if on_gpu and decode == "static" else MAX_BATCH_CPU
+        self.max_batch_size = max_batch_size
         self._generation_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
@@ -330,6 +364,29 @@ class LocalEngine(Policy):
         return output.logits[:, -1, :].float()
 
     def _sample(self, requests: list[_Request]) -> list[tuple[list[int], list[float], str]]:
+        """(completion ids, logprobs, finish reason) per request, from the engine's loop."""
+        if self.decode == "dynamic":
+            return self._sample_dynamic(requests)
+        if self._static is None:
+            self._static = StaticDecoder(
+                self.model,
+                self.eos_token_ids,
+                self.pad_token_id,
+                use_graphs=self.device.startswith("cuda"),
+            )
+        rows = [
+            DecodeRequest(
+                r.prompt_ids,
+                r.sampling.temperature,
+                r.sampling.top_p,
+                r.sampling.seed,
+                r.max_new_tokens,
+            )
+            for r in requests
+        ]
+        return self._static.generate(rows, self.should_stop)
+
+    def _sample_dynamic(self, requests: list[_Request]) -> list[tuple[list[int], list[float], str]]:
         """The KV-cache sampling loop over a left-padded batch; finished rows leave the batch."""
         import torch
         from transformers import DynamicCache
@@ -371,7 +428,7 @@ class LocalEngine(Policy):
                     f"{max(len(ids) for ids in sampled)} tokens"
                 )
             tokens, token_logprobs = sample_tokens(
-                logits, temperature, top_p, [generators[i] for i in rows]
+                logits, temperature, top_p, draw_uniforms([generators[i] for i in rows], device)
             )
             # One device-to-host copy per step: on a GPU every sync costs a round trip.
             step = torch.stack(
@@ -427,37 +484,13 @@ class LocalEngine(Policy):
         return generator
 
 
-def sample_tokens(logits, temperature, top_p, generators):
-    """One token per row and its log-probability.
-
-    Rows with temperature 0 take the argmax and report the log-softmax of the raw logits;
-    the others sample from softmax(logits / temperature) restricted to the top-p nucleus and
-    report the log-softmax of the temperature-scaled logits (before the nucleus cut, as
-    vLLM does), which is what a trainer's forward pass recomputes. `top_p` None means no
-    row uses a nucleus; a generator per row (None: torch's global one) draws its uniform.
-    """
+def draw_uniforms(generators, device):
+    """One uniform per row: from the row's own generator when it has one (a seeded
+    request), else from torch's global generator."""
     import torch
 
-    greedy = temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled_logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
-    probabilities = scaled_logprobs.exp()
-    if top_p is not None:
-        probabilities, order = probabilities.sort(dim=-1, descending=True)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        outside = (probabilities.cumsum(dim=-1) - probabilities) >= top_p[:, None]
-        probabilities = probabilities.masked_fill(outside, 0.0)
-    else:
-        order = None
-    uniforms = torch.rand(len(generators), device=logits.device)
+    uniforms = torch.rand(len(generators), device=device)
     for row, generator in enumerate(generators):
         if generator is not None:
-            uniforms[row] = torch.rand(1, generator=generator, device=logits.device)[0]
-    cumulative = probabilities.cumsum(dim=-1)
-    targets = uniforms * cumulative[:, -1]
-    choice = torch.searchsorted(cumulative, targets[:, None], right=True).clamp(
-        max=logits.shape[-1] - 1
-    )
-    sampled = order.gather(1, choice) if order is not None else choice
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled[:, 0])
-    return tokens, scaled_logprobs.gather(1, tokens[:, None])[:, 0]
+            uniforms[row] = torch.rand(1, generator=generator, device=device)[0]
+    return uniforms

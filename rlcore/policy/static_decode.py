@@ -1,0 +1,525 @@
+"""Decoding without launch overhead: a static KV cache and the per-token step captured as a
+CUDA graph, for the local engine on a GPU.
+
+The engine's dynamic loop (`LocalEngine._sample_dynamic`) calls the model's forward once
+per token: a dozen kernel launches per layer plus Python, a few milliseconds a step
+whatever the batch, where a small model's work takes microseconds. Here the KV cache is
+preallocated ([rows, kv heads, length, head dim] per layer), prompts are left-padded to one
+length so every row writes its next token to the same slot, and one decode step (forward,
+sampling, bookkeeping, all on the device) is captured once per (row bucket, length bucket,
+nucleus on/off) and replayed. Finished rows stay in the batch, masked, until the live ones
+fit a smaller row bucket; the host reads the device only every `CHECK_EVERY` steps.
+
+Sampling takes its uniforms from a counter-based hash of (row seed, token index), so a
+seeded request draws the same tokens whatever shares its batch, with no generator object
+per row (a graph cannot hold one). Greedy rows take the argmax as the dynamic loop does,
+and every token's logprob is the log-softmax of the temperature-scaled logits, the same
+`sample_tokens` arithmetic.
+
+The forward is written out over the model's own submodules (embeddings, norms,
+projections, MLPs, rotary embedding) for the Llama family without sliding windows
+(llama, mistral, qwen2, qwen3), so the graphs read the trainer's parameters in place: an
+optimizer step is seen by the next generation without re-capture (a parameter that moved
+to new memory drops the graphs). Other architectures keep the dynamic loop. Without CUDA
+the same code runs eagerly, which is how the CPU tests check it against the dynamic loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlcore.policy.base import StopRequested
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Row counts a graph is captured for: a batch runs in the smallest bucket that holds it, so
+# a handful of graphs cover every batch size (beyond the last, multiples of 256).
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# Attention reads the cache up to the next multiple of this many slots, not all of it.
+LENGTH_STEP = 128
+# Decode steps between two looks at the device (finished rows, stop requests).
+CHECK_EVERY = 8
+# Prompt tokens (rows x length) in one prefill chunk, bounding its activations.
+PREFILL_TOKENS = 1 << 16
+# Share of the free GPU memory a generation's static buffers may take; larger batches are
+# served in several rounds.
+MEMORY_SHARE = 0.5
+_MASK32 = 0xFFFFFFFF
+
+
+def row_bucket(rows: int) -> int:
+    """The smallest row bucket holding `rows`."""
+    for bucket in ROW_BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return -(-rows // 256) * 256
+
+
+def length_bucket(slots: int, capacity: int) -> int:
+    """How many cache slots attention reads when `slots` are in use."""
+    return min(capacity, -(-slots // LENGTH_STEP) * LENGTH_STEP)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the static decoder cannot run `model` (None: it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        return f"layer types {sorted(set(layer_types))}"
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "not a decoder of the Llama layout (model.embed_tokens, layers, norm, rotary_emb)"
+    return None
+
+
+def _fmix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 values below 2**32 (products stay below 2**63)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a pure function of (row seed, counter): float32 with
+    24 random bits, the same on CPU and GPU."""
+    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
+    mixed = _fmix(low ^ _fmix(high ^ _fmix((counter + 0x9E3779B9) & _MASK32)))
+    return (mixed >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def sample_tokens(logits, temperature, top_p, uniforms):
+    """One token per row and its log-probability, given one uniform per row.
+
+    Rows with temperature 0 take the argmax and report the log-softmax of the raw logits;
+    the others sample from softmax(logits / temperature) restricted to the top-p nucleus and
+    report the log-softmax of the temperature-scaled logits (before the nucleus cut, as
+    vLLM does), which is what a trainer's forward pass recomputes. `top_p` None means no
+    row uses a nucleus."""
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled_logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+    probabilities = scaled_logprobs.exp()
+    if top_p is not None:
+        probabilities, order = probabilities.sort(dim=-1, descending=True)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        outside = (probabilities.cumsum(dim=-1) - probabilities) >= top_p[:, None]
+        probabilities = probabilities.masked_fill(outside, 0.0)
+    else:
+        order = None
+    cumulative = probabilities.cumsum(dim=-1)
+    targets = uniforms * cumulative[:, -1]
+    choice = torch.searchsorted(cumulative, targets[:, None], right=True).clamp(
+        max=logits.shape[-1] - 1
+    )
+    sampled = order.gather(1, choice) if order is not None else choice
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled[:, 0])
+    return tokens, scaled_logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+@dataclass
+class DecodeRequest:
+    """One row to generate: its prompt and sampling settings (seed None: drawn from torch's
+    global generator, so `torch.manual_seed` still makes a run repeatable)."""
+
+    prompt_ids: list[int]
+    temperature: float
+    top_p: float
+    seed: int | None
+    max_new_tokens: int
+
+
+class _Workspace:
+    """The static buffers one or more graphs read and write: KV cache, per-row state and
+    outputs. Graphs hold their addresses, so they live as long as the workspace does."""
+
+    def __init__(self, rows: int, length: int, layers: int, kv_heads: int, head_dim: int,
+                 dtype, device, eos: list[int]):  # fmt: skip
+        self.rows, self.length = rows, length
+        cache = (layers, rows, kv_heads, length, head_dim)
+        # Zeros, not empty: masked slots are multiplied by 0 in attention, and 0 * NaN is NaN.
+        self.keys = torch.zeros(cache, dtype=dtype, device=device)
+        self.values = torch.zeros(cache, dtype=dtype, device=device)
+        self.valid = torch.zeros((rows, length), dtype=torch.bool, device=device)
+        self.out_tokens = torch.zeros((rows, length), dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros((rows, length), dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.max_new = torch.zeros(rows, dtype=torch.long, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # cache slot written next
+        self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the next token
+        self.eos = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+
+    # What one decode step changes besides the slot it overwrites anyway.
+    STATE = ("tokens", "positions", "done", "stopped", "lengths", "slot", "step")
+    PER_ROW = ("valid", "out_tokens", "out_logprobs", "tokens", "positions", "seeds",
+               "temperature", "top_p", "max_new", "done", "stopped", "lengths")  # fmt: skip
+
+    def save(self) -> dict:
+        return {name: getattr(self, name).clone() for name in self.STATE}
+
+    def restore(self, saved: dict) -> None:
+        for name, value in saved.items():
+            getattr(self, name).copy_(value)
+
+    def compact(self, keep: torch.Tensor, used_slots: int) -> None:
+        """Move rows `keep` to the front, in that order (cache up to `used_slots`)."""
+        rows = len(keep)
+        for name in self.PER_ROW:
+            tensor = getattr(self, name)
+            tensor[:rows] = tensor.index_select(0, keep)
+        for cache in (self.keys, self.values):
+            for layer in cache:  # one layer at a time bounds the temporary copy
+                layer[:rows, :, :used_slots] = layer[:, :, :used_slots].index_select(0, keep)
+
+
+class StaticDecoder:
+    """Batched generation over a static KV cache, the decode step replayed as a CUDA graph
+    (`use_graphs`; eager otherwise). `captures`, `compactions` and `rounds` count what it
+    did, for tests and benchmarks."""
+
+    def __init__(self, model, eos_token_ids, pad_token_id: int, *, use_graphs: bool):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the static decoder cannot run this model: {reason}")
+        self.model = model
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.use_graphs = use_graphs
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.workspace: _Workspace | None = None
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._weights: tuple | None = None
+        self.captures = self.compactions = self.rounds = 0
+
+    # -- the forward, over the model's own modules -------------------------------------
+    def _project(self, attention, hidden, cos, sin):
+        """q [B, heads, T, D], k and v [B, kv heads, T, D], rotary embedding applied."""
+        batch, length, _ = hidden.shape
+        shape = (batch, length, -1, self.head_dim)
+        query = attention.q_proj(hidden).view(shape)
+        key = attention.k_proj(hidden).view(shape)
+        value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+        if hasattr(attention, "q_norm"):  # qwen3 normalizes each head before the rotation
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+
+    def _logits(self, hidden):
+        inner = self.model.model
+        return self.model.lm_head(inner.norm(hidden[:, -1])).float()
+
+    def _prefill(self, ws: _Workspace, start: int, ids, valid):
+        """Run prompt rows `start:start + len(ids)` (left-padded ids, valid mask [B, P]) into
+        the cache; returns the last position's logits and each row's next position."""
+        inner = self.model.model
+        batch, length = ids.shape
+        rows = slice(start, start + batch)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(hidden, positions)
+        causal = torch.ones((length, length), dtype=torch.bool, device=ids.device).tril()
+        # A padding query attends to itself alone (never read later), so no row is all -inf.
+        eye = torch.eye(length, dtype=torch.bool, device=ids.device)
+        mask = ((causal[None] & valid[:, None, :]) | eye[None])[:, None]
+        groups = self.heads // self.kv_heads
+        for index, layer in enumerate(inner.layers):
+            attention = layer.self_attn
+            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
+            ws.keys[index, rows, :, :length] = key
+            ws.values[index, rows, :, :length] = value
+            out = F.scaled_dot_product_attention(
+                query,
+                key.repeat_interleave(groups, dim=1),
+                value.repeat_interleave(groups, dim=1),
+                attn_mask=mask,
+                scale=attention.scaling,
+            )
+            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self._logits(hidden), positions[:, -1] + 1
+
+    def _decode_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool) -> None:
+        """One token for the first `rows` rows, attention over the first `width` slots:
+        everything read and written lives in `ws`, so the step can be captured and replayed."""
+        inner = self.model.model
+        hidden = inner.embed_tokens(ws.tokens[:rows, None])
+        ws.valid[:rows].index_fill_(1, ws.slot, True)
+        cos, sin = inner.rotary_emb(hidden, ws.positions[:rows, None])
+        mask = ws.valid[:rows, None, None, :width]
+        groups = self.heads // self.kv_heads
+        for index, layer in enumerate(inner.layers):
+            attention = layer.self_attn
+            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
+            ws.keys[index, :rows].index_copy_(2, ws.slot, key)
+            ws.values[index, :rows].index_copy_(2, ws.slot, value)
+            # The query heads sharing a kv head become that head's "sequence" of queries, so
+            # grouped-query attention reads each cached key and value once.
+            query = query.reshape(rows, self.kv_heads, groups, self.head_dim)
+            out = F.scaled_dot_product_attention(
+                query,
+                ws.keys[index, :rows, :, :width],
+                ws.values[index, :rows, :, :width],
+                attn_mask=mask,
+                scale=attention.scaling,
+            )
+            hidden = hidden + attention.o_proj(out.reshape(rows, 1, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        self._sample_and_record(ws, rows, self._logits(hidden), nucleus)
+        ws.positions[:rows].add_(1)
+        ws.slot.add_(1)
+
+    def _sample_and_record(self, ws: _Workspace, rows: int, logits, nucleus: bool) -> None:
+        uniforms = counter_uniforms(ws.seeds[:rows], ws.step)
+        tokens, logprobs = sample_tokens(
+            logits, ws.temperature[:rows], ws.top_p[:rows] if nucleus else None, uniforms
+        )
+        ws.out_tokens[:rows].index_copy_(1, ws.step, tokens[:, None])
+        ws.out_logprobs[:rows].index_copy_(1, ws.step, logprobs[:, None])
+        stop = (tokens[:, None] == ws.eos).any(-1)
+        live = ~ws.done[:rows]
+        ws.stopped[:rows].logical_or_(live & stop)
+        ws.lengths[:rows].copy_(torch.where(live, ws.step + 1, ws.lengths[:rows]))
+        ws.done[:rows].logical_or_(stop | (ws.step + 1 >= ws.max_new[:rows]))
+        ws.tokens[:rows].copy_(tokens)
+        ws.step.add_(1)
+
+    # -- graphs ------------------------------------------------------------------------
+    def _run_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool) -> None:
+        if not self.use_graphs:
+            self._decode_step(ws, rows, width, nucleus)
+            return
+        key = (rows, width, nucleus)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(ws, key)
+        graph.replay()
+
+    def _capture(self, ws: _Workspace, key: tuple[int, int, bool]):
+        """Capture the step for `key`. The eager warm-up (lazy initialisations stay out of
+        the graph) runs the real step; the state it advanced is put back, and the cache
+        slot and output column it wrote are rewritten identically by the first replay."""
+        saved = ws.save()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._decode_step(ws, *key)
+        torch.cuda.current_stream().wait_stream(side)
+        ws.restore(saved)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # One pool for all graphs: each step's temporaries die inside it and replays never
+        # overlap, so the graphs can share their scratch memory.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._decode_step(ws, *key)
+        self.graphs[key] = graph
+        self.captures += 1
+        return graph
+
+    def _drop_graphs(self) -> None:
+        self.graphs.clear()
+        self._pool = None
+
+    def _check_weights(self) -> None:
+        """Graphs read parameters by address: if any moved (reloaded, cast, re-placed),
+        the graphs are stale. In-place updates (optimizer steps) keep them valid."""
+        addresses = tuple(t.data_ptr() for t in self.model.parameters()) + tuple(
+            t.data_ptr() for t in self.model.buffers()
+        )
+        if addresses != self._weights:
+            self._drop_graphs()
+            self._weights = addresses
+
+    # -- the workspace -----------------------------------------------------------------
+    def _bytes_per_row(self, length: int) -> int:
+        config = self.model.config
+        element = self.model.model.embed_tokens.weight.element_size()
+        cache = 2 * config.num_hidden_layers * self.kv_heads * self.head_dim * length * element
+        # Per-row buffers, and the sampling temporaries over the vocabulary in the graph pool.
+        return cache + length * 17 + 8 * 4 * config.vocab_size
+
+    def _rows_per_round(self, rows: int, length: int) -> int:
+        """How many rows one round may hold within MEMORY_SHARE of the free GPU memory."""
+        device = self.model.model.embed_tokens.weight.device
+        if device.type != "cuda":
+            return rows
+        free, _ = torch.cuda.mem_get_info(device)
+        held = 0
+        if self.workspace is not None:
+            held = self.workspace.rows * self._bytes_per_row(self.workspace.length)
+        fit = int((free + held) * MEMORY_SHARE) // self._bytes_per_row(length)
+        if fit < 1:
+            raise MemoryError(
+                f"not enough GPU memory for one row of {length} tokens "
+                f"({self._bytes_per_row(length)} bytes; {free} free)"
+            )
+        return min(rows, fit)
+
+    def _workspace_for(self, rows: int, length: int) -> _Workspace:
+        """The current workspace if it holds `rows` x `length`, else a larger one (graphs
+        of the old one are dropped)."""
+        ws = self.workspace
+        if ws is not None and ws.rows >= rows and ws.length >= length:
+            return ws
+        if ws is not None:
+            rows, length = max(rows, ws.rows), max(length, ws.length)
+        self._drop_graphs()
+        self.workspace = None  # free the old buffers before the new ones are allocated
+        config = self.model.config
+        weight = self.model.model.embed_tokens.weight
+        self.workspace = _Workspace(
+            rows, length, config.num_hidden_layers, self.kv_heads, self.head_dim,
+            weight.dtype, weight.device, self.eos_token_ids,
+        )  # fmt: skip
+        return self.workspace
+
+    def release(self) -> None:
+        """Free the cache and graphs (the next generation allocates and captures again)."""
+        self._drop_graphs()
+        self.workspace = None
+
+    # -- generation --------------------------------------------------------------------
+    def generate(
+        self, requests: list[DecodeRequest], should_stop: Callable[[], bool] | None = None
+    ) -> list[tuple[list[int], list[float], str]]:
+        """(completion ids, logprobs, finish reason) per request, in order."""
+        self._check_weights()
+        drawn = torch.randint(0, 2**62, (len(requests),)).tolist()
+        seeds = [r.seed if r.seed is not None else d for r, d in zip(requests, drawn, strict=True)]
+        longest = max(len(r.prompt_ids) for r in requests) + max(r.max_new_tokens for r in requests)
+        length = -(-longest // LENGTH_STEP) * LENGTH_STEP
+        per_round = self._rows_per_round(len(requests), length)
+        # Similar prompt lengths share a round, so less of each round is padding.
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        results: list = [None] * len(requests)
+        for start in range(0, len(order), per_round):
+            chosen = order[start : start + per_round]
+            round_results = self._generate_round(
+                [requests[i] for i in chosen], [seeds[i] for i in chosen], should_stop
+            )
+            for index, result in zip(chosen, round_results, strict=True):
+                results[index] = result
+        return results
+
+    def _generate_round(self, requests, seeds, should_stop):
+        batch = len(requests)
+        prompt = max(len(r.prompt_ids) for r in requests)
+        most_new = max(r.max_new_tokens for r in requests)
+        length = -(-(prompt + most_new) // LENGTH_STEP) * LENGTH_STEP
+        rows = row_bucket(batch)
+        ws = self._workspace_for(rows, length)
+        device = ws.keys.device
+        self.rounds += 1
+
+        # Per-row settings; rows past the batch are riders from the start.
+        def column(values, dtype, fill):
+            return torch.tensor(values + [fill] * (rows - batch), dtype=dtype, device=device)
+
+        ws.seeds[:rows] = column(seeds, torch.long, 0)
+        ws.temperature[:rows] = column([r.temperature for r in requests], torch.float32, 0.0)
+        ws.top_p[:rows] = column([r.top_p for r in requests], torch.float32, 1.0)
+        ws.max_new[:rows] = column([r.max_new_tokens for r in requests], torch.long, 1)
+        ws.done[:rows] = column([False] * batch, torch.bool, True)
+        ws.stopped[:rows].zero_()
+        ws.lengths[:rows].zero_()
+        ws.step.zero_()
+        ws.valid[:rows].zero_()
+        nucleus = any(r.top_p < 1 for r in requests)
+
+        # Prefill in chunks of rows (left-padded to the round's longest prompt), then the
+        # first token of every row from the prompt's last logits.
+        ids = torch.full((rows, prompt), self.pad_token_id, dtype=torch.long)
+        valid = torch.zeros((rows, prompt), dtype=torch.bool)
+        for row, request in enumerate(requests):
+            ids[row, prompt - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            valid[row, prompt - len(request.prompt_ids) :] = True
+        valid[batch:, -1] = True  # riders read one pad token
+        ids, valid = ids.to(device), valid.to(device)
+        chunk = max(1, PREFILL_TOKENS // prompt)
+        logits, positions = [], []
+        for start in range(0, rows, chunk):
+            chunk_logits, chunk_positions = self._prefill(
+                ws, start, ids[start : start + chunk], valid[start : start + chunk]
+            )
+            logits.append(chunk_logits)
+            positions.append(chunk_positions)
+        ws.valid[:rows, :prompt] = valid
+        ws.positions[:rows] = torch.cat(positions)
+        ws.slot.fill_(prompt)
+        self._sample_and_record(ws, rows, torch.cat(logits), nucleus)
+
+        # Decode: replay steps; every CHECK_EVERY steps look at which rows are done, stop
+        # when all are, and move the live ones into a smaller bucket when they fit one.
+        owner = list(range(batch)) + [None] * (rows - batch)  # batch row -> request
+        results: list = [None] * batch
+        for step in range(1, most_new + 1):
+            if step % CHECK_EVERY == 1 or step == most_new:
+                if should_stop is not None and should_stop():
+                    raise StopRequested(
+                        f"stop requested: generation of {batch} replies abandoned after "
+                        f"{step} tokens"
+                    )
+                done = ws.done[:rows].tolist()
+                live = [row for row in range(rows) if not done[row]]
+                if not live or step == most_new:
+                    break
+                smaller = row_bucket(len(live))
+                if smaller < rows:
+                    self._collect(ws, rows, step, owner, results, done)
+                    riders = [row for row in range(rows) if done[row]][: smaller - len(live)]
+                    keep = sorted(live + riders)
+                    ws.compact(torch.tensor(keep, device=device), prompt + step)
+                    # Riders were collected just now: nobody owns their tokens any more.
+                    owner = [None if done[row] else owner[row] for row in keep]
+                    rows = smaller
+                    self.compactions += 1
+            self._run_step(ws, rows, length_bucket(prompt + step, ws.length), nucleus)
+        self._collect(ws, rows, most_new, owner, results, None)
+        return results
+
+    @staticmethod
+    def _collect(ws: _Workspace, rows: int, steps: int, owner, results, done) -> None:
+        """Copy out the finished rows (all rows when `done` is None) not yet collected."""
+        tokens = ws.out_tokens[:rows, :steps].tolist()
+        logprobs = ws.out_logprobs[:rows, :steps].tolist()
+        lengths = ws.lengths[:rows].tolist()
+        stopped = ws.stopped[:rows].tolist()
+        for row in range(rows):
+            request = owner[row]
+            if request is None or results[request] is not None:
+                continue
+            if done is not None and not done[row]:
+                continue
+            count = lengths[row]
+            results[request] = (
+                tokens[row][:count],
+                logprobs[row][:count],
+                "stop" if stopped[row] else "length",
+            )
+
+
+def _rotate(x, cos, sin):
+    """Rotary embedding: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

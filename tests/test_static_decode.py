@@ -1,0 +1,181 @@
+"""The static decoder (a preallocated KV cache, the decode step a CUDA graph on a GPU) run
+eagerly on the CPU: the same greedy replies and logprobs as the engine's dynamic loop, its
+bucket choices, finished rows masked then compacted, rounds split by memory, seeds."""
+
+import asyncio
+
+import pytest
+import torch
+
+from rlcore.policy import PolicyError
+from rlcore.policy.local import LocalEngine
+from rlcore.policy.static_decode import (
+    CHECK_EVERY,
+    LENGTH_STEP,
+    counter_uniforms,
+    length_bucket,
+    row_bucket,
+    unsupported_reason,
+)
+from rlcore.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines(default_tiny_model):
+    dynamic = LocalEngine(default_tiny_model, device="cpu", name="dynamic", decode="dynamic")
+    static = LocalEngine(
+        model=dynamic.model, tokenizer=dynamic.tokenizer, name="static", decode="static"
+    )
+    return dynamic, static
+
+
+def conversation(index: int) -> list[dict]:
+    return [
+        {"role": "system", "content": "Answer with <move>N</move>."},
+        {"role": "user", "content": f"Board {index}: " + "X.O" * (index % 7)},
+    ]
+
+
+def generate_all(engine, samplings):
+    async def run():
+        return await asyncio.gather(
+            *(engine.generate(conversation(i), s) for i, s in enumerate(samplings))
+        )
+
+    return asyncio.run(run())
+
+
+def reference_logprobs(model, prompt_ids, completion_ids, temperature):
+    """Log-probabilities of the completion from one plain forward pass, no cache, no padding."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + completion_ids])).logits[0].float()
+    scaled = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    start = len(prompt_ids) - 1
+    return [scaled[start + i, token].item() for i, token in enumerate(completion_ids)]
+
+
+def test_greedy_replies_and_logprobs_are_the_dynamic_loops(engines):
+    dynamic, static = engines
+    samplings = [SamplingParams(temperature=0.0, max_tokens=10 + 3 * i) for i in range(12)]
+    expected = generate_all(dynamic, samplings)
+    got = generate_all(static, samplings)
+    assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
+    assert [g.finish_reason for g in got] == [g.finish_reason for g in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.prompt_ids == theirs.prompt_ids
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_logprobs_match_a_separate_forward_pass(engines, temperature, top_p):
+    _, static = engines
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=30)
+    for generation in generate_all(static, [sampling] * 5):
+        assert 1 <= generation.completion_tokens <= 30
+        stopped = generation.completion_ids[-1] in static.eos_token_ids
+        assert generation.finish_reason == ("stop" if stopped else "length")
+        expected = reference_logprobs(
+            static.model, generation.prompt_ids, generation.completion_ids, temperature
+        )
+        assert generation.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_finished_rows_are_masked_then_compacted_without_disturbing_the_rest(engines):
+    _, static = engines
+    decoder_before = static._static.compactions if static._static else 0
+    short, long = SamplingParams(max_tokens=2), SamplingParams(max_tokens=3 * CHECK_EVERY)
+    generations = generate_all(static, [short] * 20 + [long] * 5)
+    assert static._static.compactions > decoder_before  # 25 rows (bucket 32) -> 5 (bucket 8)
+    assert all(g.completion_tokens <= 2 for g in generations[:20])
+    for generation in generations[20:]:
+        stopped = generation.completion_ids[-1] in static.eos_token_ids
+        assert stopped or generation.completion_tokens == 3 * CHECK_EVERY
+        expected = reference_logprobs(
+            static.model, generation.prompt_ids, generation.completion_ids, 1.0
+        )
+        assert generation.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(engines):
+    _, static = engines
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=1234)
+
+    async def run():
+        alone = await static.generate(conversation(3), seeded)
+        crowd = await asyncio.gather(
+            static.generate(conversation(0), SamplingParams(max_tokens=30)),
+            static.generate(conversation(3), seeded),
+            static.generate(conversation(5), SamplingParams(max_tokens=8)),
+        )
+        return alone, crowd
+
+    alone, crowd = asyncio.run(run())
+    assert crowd[1].completion_ids == alone.completion_ids
+
+
+def test_rounds_split_by_memory_give_the_same_replies(engines, monkeypatch):
+    dynamic, static = engines
+    samplings = [SamplingParams(temperature=0.0, max_tokens=12)] * 10
+    expected = generate_all(dynamic, samplings)
+    decoder = static._static
+    monkeypatch.setattr(decoder, "_rows_per_round", lambda rows, length: 3)
+    rounds_before = decoder.rounds
+    got = generate_all(static, samplings)
+    assert decoder.rounds - rounds_before == 4
+    assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
+
+
+def test_weights_changed_in_place_are_seen_by_the_next_generation(tmp_path):
+    from rlcore.policy.tiny import build_tiny_model
+
+    small = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256}
+    dynamic = LocalEngine(build_tiny_model(tmp_path / "m", **small), device="cpu", decode="dynamic")
+    static = LocalEngine(model=dynamic.model, tokenizer=dynamic.tokenizer, decode="static")
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12)] * 3
+    generate_all(static, greedy)
+    workspace = static._static.workspace
+    with torch.no_grad():
+        for parameter in dynamic.model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    got = generate_all(static, greedy)
+    assert static._static.workspace is workspace  # reused, not rebuilt
+    assert [g.completion_ids for g in got] == [
+        g.completion_ids for g in generate_all(dynamic, greedy)
+    ]
+
+
+def test_buckets_cover_every_batch_with_few_shapes():
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 33, 65, 100, 256, 1000, 1025)] == [
+        1, 2, 4, 8, 16, 64, 96, 128, 256, 1024, 1280,
+    ]  # fmt: skip
+    assert len({row_bucket(n) for n in range(1, 1025)}) == 15
+    assert length_bucket(1, 1024) == LENGTH_STEP
+    assert length_bucket(LENGTH_STEP + 1, 1024) == 2 * LENGTH_STEP
+    assert length_bucket(1000, 896) == 896
+
+
+def test_counter_uniforms_depend_on_seed_and_counter_only():
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**62 - 1] * 2500)
+    first = counter_uniforms(seeds, torch.tensor([3]))
+    assert torch.equal(first, counter_uniforms(seeds, torch.tensor([3])))
+    assert torch.equal(first[:4], first[4:8])
+    assert len(set(first[:4].tolist())) == 4
+    assert not torch.equal(first, counter_uniforms(seeds, torch.tensor([4])))
+    draws = counter_uniforms(torch.arange(10_000), torch.tensor([0]))
+    assert draws.min() >= 0 and draws.max() < 1
+    assert abs(draws.mean().item() - 0.5) < 0.02
+    assert abs((draws < 0.1).float().mean().item() - 0.1) < 0.02
+
+
+def test_other_architectures_keep_the_dynamic_loop():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert "gpt2" in unsupported_reason(gpt2)
+
+
+def test_an_unknown_decode_loop_is_named(engines):
+    dynamic, _ = engines
+    with pytest.raises(PolicyError, match="decode must be one of auto, static, dynamic"):
+        LocalEngine(model=dynamic.model, tokenizer=dynamic.tokenizer, decode="graph")
+    assert dynamic.max_batch_size == 64  # the CPU keeps small batches
