@@ -759,3 +759,45 @@ async def test_play_session_rejects_moves_out_of_turn_or_off_the_board():
         PlaySession.new("Z", True)
     with pytest.raises(ValueError, match="needs"):
         PlaySession.from_dict({"model_mark": "X"})
+
+
+# Replies a model (or an attacker behind an endpoint) may send; none is a valid move.
+HOSTILE_REPLIES = [
+    "",
+    "no move at all",
+    "<move>9</move>",
+    "<move>-1</move>",
+    "<move>" + "0" * 5000 + "1</move>",
+    "<think>I pick <move>1</move></think>",
+    "\x00<move>",
+    "<move>one</move>",
+]
+
+
+async def test_play_session_and_the_env_judge_hostile_replies_alike():
+    env = TicTacToeEnv(max_turns=30)
+    example = first_example(env, model_starts=False, model_mark="X")
+    taken = example.info["opponent_first_move"]
+    replies = [*HOSTILE_REPLIES, f"<move>{taken}</move>"]
+    rollout = await env.rollout(ScriptedPolicy(list(replies)), example, SAMPLING)
+    session = PlaySession.new("X", model_starts=False, seed=example.seed)
+    session.human_move(taken)
+    assert session.messages == example.prompt
+    turn = await session.model_turn(ScriptedPolicy(list(replies)), SAMPLING, len(replies) + 1)
+    # Then the oracle's first real move, which both accept the same way.
+    assert turn["valid"] and turn["attempts"] == len(replies) + 1
+    # Every reply got the same answer (the same error, the same board), and both counted
+    # and recorded the same things.
+    tries = len(replies) * 2
+    assert session.messages[: 2 + tries] == rollout.messages[: 2 + tries]
+    assert session.invalid_moves == len(replies)
+    for record in ("move_sound", "think_correct"):
+        assert session.state[record] == rollout.state[record][: len(replies) + 1], record
+    assert session.state["model_turns"] == len(replies) + 1
+    assert rollout.state["invalid_moves"] == len(replies)
+    # Out of attempts, the Play page's model forfeits on the last error the env gave.
+    forfeit = PlaySession.new("X", model_starts=False, seed=example.seed)
+    forfeit.human_move(taken)
+    last = await forfeit.model_turn(ScriptedPolicy(list(replies)), SAMPLING, len(replies))
+    assert last["error"] == f"cell {taken} is taken" and forfeit.outcome == "unfinished"
+    assert forfeit.messages[-1] == rollout.messages[1 + tries]

@@ -57,11 +57,8 @@ def text_safe(value: Any) -> str:
 
 
 def rollout_row(job_id: int, step: int, rollout: CoreRollout) -> Rollout:
-    """A Rollout row from rlcore's Rollout, with the columns the inspector filters on."""
-    state = json_safe(rollout.state or {})
-    info = json_safe(rollout.info or {})
-    invalid_moves = state.get("invalid_moves")
-    random_move_prob = info.get("random_move_prob", state.get("random_move_prob"))
+    """A Rollout row from rlcore's Rollout; the env's facts about it (which rlcore computed
+    when the rollout ended) are what the inspector filters on."""
     return Rollout(
         job_id=job_id,
         step=step,
@@ -72,17 +69,14 @@ def rollout_row(job_id: int, step: int, rollout: CoreRollout) -> Rollout:
         prompt_len=rollout.prompt_len,
         rewards=json_safe(rollout.rewards),
         reward=float(rollout.reward),
-        state=state,
-        info=info,
+        state=json_safe(rollout.state or {}),
+        info=json_safe(rollout.info or {}),
         outcome=text_safe(rollout.outcome or ""),
         prompt_tokens=rollout.prompt_tokens,
         completion_tokens=rollout.completion_tokens,
         truncated=rollout.truncated,
         num_turns=rollout.num_turns,
-        invalid_moves=invalid_moves if isinstance(invalid_moves, int) else None,
-        random_move_prob=float(random_move_prob)
-        if isinstance(random_move_prob, int | float)
-        else None,
+        facts=json_safe(rollout.facts or {}),
         error=text_safe(rollout.error or ""),
         seconds=rollout.seconds,
     )

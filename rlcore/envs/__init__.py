@@ -2,6 +2,7 @@
 
 from rlcore.envs.base import (
     Environment,
+    Fact,
     MultiTurnEnv,
     Param,
     ParamError,
@@ -12,6 +13,7 @@ from rlcore.envs.registry import get_env_class, list_environments, load_environm
 
 __all__ = [
     "Environment",
+    "Fact",
     "MultiTurnEnv",
     "Param",
     "ParamError",

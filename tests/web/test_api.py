@@ -72,8 +72,9 @@ def test_rollouts_are_filtered_and_paged(alice_client, alice_eval):
 
 
 def test_rollout_filter_errors_name_the_field(alice_client, alice_eval):
-    response = alice_client.get(f"/api/jobs/{alice_eval.pk}/rollouts/", {"opponent_min": "2"})
-    assert response.status_code == 400 and "opponent_min" in response.json()["errors"]
+    url = f"/api/jobs/{alice_eval.pk}/rollouts/"
+    response = alice_client.get(url, {"fact_random_move_prob_min": "2"})
+    assert response.status_code == 400 and "fact_random_move_prob_min" in response.json()["errors"]
     response = alice_client.get(f"/api/jobs/{alice_eval.pk}/rollouts/", {"page": "9"})
     assert response.status_code == 400 and "page" in response.json()["errors"]
 

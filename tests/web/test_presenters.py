@@ -1,22 +1,33 @@
-"""What the rollout pages draw from a rollout's stored state."""
+"""What the rollout pages draw from a rollout's stored state: the views the env declares
+(`Environment.state_views`), shaped by the generic presenter."""
 
+from rlcore.envs.calculator import CalculatorEnv
 from rlcore.envs.tictactoe import TicTacToeEnv
-from webapp.jobs.presenters import board_frames
+from webapp.jobs.presenters import state_views
 
 
-def test_board_frames_flag_the_random_opening_apart_from_the_models_moves():
+def notes(view: dict, name: str) -> list[dict]:
+    return [{"ok": n["ok"], "text": n["text"]} for n in view["notes"] if n["name"] == name]
+
+
+def test_the_board_views_mute_the_random_opening_apart_from_the_models_moves():
     env = TicTacToeEnv(opening_moves=2, model_mark="X")
     example = next(e for e in env.examples(50, seed=1) if len(e.info["opening"]) == 4)
     state = env.setup_state(example)
-    frames = board_frames(state)
-    opening = [frame for frame in frames if frame["opening"]]
-    assert [frame["cell"] for frame in opening] == example.info["opening"]
-    assert [frame["player"] for frame in opening] == ["model", "opponent"] * 2
-    # The last frame shows every mark played so far, the latest cell highlighted.
-    last = frames[-1]
-    marks = "".join(cell["mark"] for row in last["rows"] for cell in row)
-    assert marks == "".join(state["board"])
-    assert [cell["last"] for row in last["rows"] for cell in row].count(True) == 1
+    views = state_views(TicTacToeEnv, state)
+    opening = [view for view in views if view["muted"]]
+    assert [view["title"].split(" → ")[1] for view in opening] == [
+        str(cell) for cell in example.info["opening"]
+    ]
+    assert ["random for model X" in view["title"] for view in opening] == [True, False] * 2
+    # The last view shows every mark played so far, the latest cell highlighted, X and O
+    # in their own tones.
+    last = views[-1]
+    cells = [cell for row in last["rows"] for cell in row]
+    assert "".join(cell["text"] or "." for cell in cells) == "".join(state["board"])
+    assert [cell["highlight"] for cell in cells].count(True) == 1
+    assert {cell["tone"] for cell in cells if cell["text"]} == {1, 2}
+    assert all(view["notes"] == [] for view in opening)  # random moves are not judged
 
 
 def test_each_model_move_carries_the_solvers_verdict():
@@ -30,11 +41,11 @@ def test_each_model_move_carries_the_solvers_verdict():
             {"player": "model", "mark": "X", "cell": 1},
         ]
     }
-    verdicts = [frame["verdict"] for frame in board_frames(state)]
+    verdicts = [notes(view, "verdict") for view in state_views(TicTacToeEnv, state)]
     assert verdicts == [
-        {"sound": True, "text": "sound: keeps the draw"},
-        None,  # the opponent's moves are not judged
-        {"sound": True, "text": "sound: keeps the draw"},
+        [{"ok": True, "text": "sound: keeps the draw"}],
+        [],  # the opponent's moves are not judged
+        [{"ok": True, "text": "sound: keeps the draw"}],
     ]
     lost = {
         "moves": [
@@ -42,11 +53,11 @@ def test_each_model_move_carries_the_solvers_verdict():
             {"player": "model", "mark": "O", "cell": 1},
         ]
     }
-    (_, verdict) = [frame["verdict"] for frame in board_frames(lost)]
-    assert verdict == {"sound": False, "text": "unsound: the draw became a loss"}
+    (_, verdict) = [notes(view, "verdict") for view in state_views(TicTacToeEnv, lost)]
+    assert verdict == [{"ok": False, "text": "unsound: the draw became a loss"}]
     # Opening moves are random, not the model's choice; an impossible state is not judged.
     opening = {"moves": [{"player": "model", "mark": "X", "cell": 4, "opening": True}]}
-    assert board_frames(opening)[0]["verdict"] is None
+    assert state_views(TicTacToeEnv, opening)[0]["notes"] == []
     # In a lost position every move is sound, and the verdict says why.
     lost_anyway = {
         "moves": [
@@ -56,16 +67,24 @@ def test_each_model_move_carries_the_solvers_verdict():
             {"player": "model", "mark": "O", "cell": 8},
         ]
     }
-    assert board_frames(lost_anyway)[3]["verdict"] == {
-        "sound": True,
-        "text": "sound: already lost, no move saves it",
-    }
-    broken = {"moves": [{"player": "model", "mark": "Z", "cell": 4}]}
-    assert board_frames(broken)[0]["verdict"] is None
+    assert notes(state_views(TicTacToeEnv, lost_anyway)[3], "verdict") == [
+        {"ok": True, "text": "sound: already lost, no move saves it"}
+    ]
+    broken = {"moves": [{"player": "model", "mark": "Z", "cell": 4}, "junk", {"cell": "4"}]}
+    (view,) = state_views(TicTacToeEnv, broken)
+    assert view["notes"] == []
+    assert state_views(TicTacToeEnv, {"moves": "not a list"}) == []
+
+
+def test_an_env_that_declares_no_views_and_an_unknown_env_draw_nothing():
+    env = CalculatorEnv()
+    state = env.setup_state(env.make_example(0, seed=0))
+    assert state and state_views(CalculatorEnv, state) == []
+    assert state_views(None, {"moves": [{"player": "model", "mark": "X", "cell": 0}]}) == []
 
 
 async def test_each_model_move_says_whether_its_think_block_read_the_board_right():
-    from rlcore.envs.tictactoe import OraclePolicy
+    from rlcore.envs.tictactoe_players import OraclePolicy
     from rlcore.policy.base import Policy
     from rlcore.types import Generation, SamplingParams
 
@@ -85,12 +104,15 @@ async def test_each_model_move_says_whether_its_think_block_read_the_board_right
     env = TicTacToeEnv(model_mark="X", max_turns=30)
     example = next(e for e in env.examples(64, seed=0) if e.info["model_starts"])
     rollout = await env.rollout(MisreadThenOracle(), example, SamplingParams())
-    # The invalid second reply played nothing, so it has no frame; the oracle reads right.
+    # The invalid second reply played nothing, so it has no view; the oracle reads right.
     assert rollout.state["think_correct"][:2] == [False, False]
-    frames = board_frames(rollout.state)
-    model = [frame["think"] for frame in frames if frame["player"] == "model"]
-    assert model[0] is False and len(model) >= 2 and all(model[1:])
-    assert all(frame["think"] is None for frame in frames if frame["player"] == "opponent")
+    views = state_views(TicTacToeEnv, rollout.state)
+    model = [notes(view, "think-verdict") for view in views if " model " in view["title"]]
+    assert model[0] == [{"ok": False, "text": "think: misreads the board"}]
+    assert len(model) >= 2 and all(
+        n == [{"ok": True, "text": "think: reads the board right"}] for n in model[1:]
+    )
+    assert all(notes(view, "think-verdict") == [] for view in views if "opponent" in view["title"])
     # A state without the record (older runs) shows no think verdicts.
     del rollout.state["think_correct"]
-    assert all(frame["think"] is None for frame in board_frames(rollout.state))
+    assert all(notes(v, "think-verdict") == [] for v in state_views(TicTacToeEnv, rollout.state))

@@ -22,6 +22,7 @@ def core_rollout(example_id: int, reward: float) -> CoreRollout:
         messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bad\x00byte"}],
         rewards={"outcome": reward}, reward=reward, outcome="win", completion_tokens=3,
         state={"invalid_moves": 2, "moves": []}, info={"random_move_prob": 0.25},
+        facts={"invalid_moves": 2, "random_move_prob": 0.25, "note": "a\x00b"},
     )  # fmt: skip
 
 
@@ -66,7 +67,7 @@ def test_the_sink_writes_batches_and_sends_one_message_per_step(alice):
         == 2
     )
     row = Rollout.objects.filter(job=job).first()
-    assert (row.invalid_moves, row.random_move_prob) == (2, 0.25)
+    assert row.facts == {"invalid_moves": 2, "random_move_prob": 0.25, "note": "a\ufffdb"}
     assert "\x00" not in row.messages[1]["content"]
     entry = ModelEntry.objects.get(checkpoint__job=job)
     assert (

@@ -113,7 +113,7 @@ class RolloutAdmin(ReadOnlyAdmin):
         "outcome",
         "reward",
         "completion_tokens",
-        "invalid_moves",
+        "facts",
     )
     list_filter = ("outcome", "truncated")
     search_fields = ("job__id",)

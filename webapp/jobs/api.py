@@ -193,7 +193,7 @@ def job_metrics(request, pk: int):
 @api_view
 def job_rollouts(request, pk: int):
     job = selectors.job_for_user(request.user, pk)
-    form = RolloutFilterForm(request.GET)
+    form = RolloutFilterForm(request.GET, facts=selectors.job_facts(job))
     if not form.is_valid():
         return errors_response(
             {k: [e["message"] for e in v] for k, v in form.errors.get_json_data().items()}

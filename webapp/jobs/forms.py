@@ -15,6 +15,7 @@ from rlcore.envs import ParamError, get_env_class
 from rlcore.train.config import config_schema
 from webapp.jobs import services
 from webapp.jobs.models import ApiKey, EnvironmentConfig, ModelEntry
+from webapp.jobs.selectors import FACT_PREFIX, FactFilter, RolloutFilters
 from webapp.jobs.validation import looks_like_secret
 
 PARAM_PREFIX = "param_"
@@ -344,19 +345,18 @@ class JobForm(ServiceErrorsMixin, forms.Form):
 
 
 class RolloutFilterForm(forms.Form):
-    """The inspector's filters (GET); the same names work on the JSON API."""
+    """The inspector's filters (GET); the same names work on the JSON API.
+
+    Besides the filters every job has, each fact the job's env declares (`facts`, from
+    `selectors.job_facts`) adds its own: `fact_<name>_min` and `fact_<name>_max` for a
+    number, `fact_<name>` for text, and sorting by it (`sort=fact_<name>`, `-fact_<name>`).
+    """
 
     outcome = forms.CharField(required=False)
     reward_min = forms.FloatField(required=False, label="reward ≥")
     reward_max = forms.FloatField(required=False, label="reward ≤")
     step = forms.IntegerField(required=False)
     example = forms.IntegerField(required=False, min_value=0)
-    opponent_min = forms.FloatField(
-        required=False, min_value=0.0, max_value=1.0, label="opponent random p ≥"
-    )
-    opponent_max = forms.FloatField(
-        required=False, min_value=0.0, max_value=1.0, label="opponent random p ≤"
-    )
     q = forms.CharField(required=False, label="text", max_length=200)
     errors = forms.BooleanField(required=False, label="errors only")
     sort = forms.ChoiceField(
@@ -369,25 +369,52 @@ class RolloutFilterForm(forms.Form):
             ("example", "example"),
             ("length", "length ↑"),
             ("-length", "length ↓"),
-            ("invalid", "invalid moves ↑"),
-            ("-invalid", "invalid moves ↓"),
-            ("opponent", "opponent p ↑"),
-            ("-opponent", "opponent p ↓"),
         ],
     )
 
-    def filters(self):
-        from webapp.jobs.selectors import RolloutFilters
+    def __init__(self, *args, facts=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.facts = list(facts)
+        for fact in self.facts:
+            key = f"{FACT_PREFIX}{fact.name}"
+            if fact.type == "str":
+                self.fields[key] = forms.CharField(
+                    required=False, label=fact.label, max_length=200, help_text=fact.help
+                )
+            else:
+                number = forms.IntegerField if fact.type == "int" else forms.FloatField
+                for end, sign in (("min", "≥"), ("max", "≤")):
+                    self.fields[f"{key}_{end}"] = number(
+                        required=False,
+                        min_value=fact.min,
+                        max_value=fact.max,
+                        label=f"{fact.label} {sign}",
+                        help_text=fact.help,
+                    )
+            self.fields["sort"].choices += [
+                (key, f"{fact.label} ↑"),
+                (f"-{key}", f"{fact.label} ↓"),
+            ]
+        # The env's filters before the free text, the checkbox and the sort.
+        self.order_fields([name for name in self.fields if name not in ("q", "errors", "sort")])
 
+    def filters(self):
         data = self.cleaned_data
+        facts = []
+        for fact in self.facts:
+            key = f"{FACT_PREFIX}{fact.name}"
+            if fact.type == "str":
+                if data.get(key):
+                    facts.append(FactFilter(fact.name, equals=data[key]))
+            elif data.get(f"{key}_min") is not None or data.get(f"{key}_max") is not None:
+                facts.append(FactFilter(fact.name, low=data[f"{key}_min"], high=data[f"{key}_max"]))
         return RolloutFilters(
             outcome=data.get("outcome") or "",
             reward_min=data.get("reward_min"),
             reward_max=data.get("reward_max"),
             step=data.get("step"),
             example_id=data.get("example"),
-            opponent_min=data.get("opponent_min"),
-            opponent_max=data.get("opponent_max"),
+            facts=facts,
             search=data.get("q") or "",
             errors_only=bool(data.get("errors")),
             sort=data.get("sort") or "step",

@@ -342,7 +342,13 @@ class Metric(models.Model):
 
 
 class Rollout(models.Model):
-    """One episode as rlcore reported it, with columns pulled out for filtering."""
+    """One episode as rlcore reported it, with columns pulled out for filtering.
+
+    What is particular to one environment (tic-tac-toe's invalid moves and opponent
+    strength, say) is in `facts`, the values of the facts the env declares
+    (`Environment.facts`), so a new environment needs no new column. On PostgreSQL a GIN
+    index (migration 0003) serves equality filters on them.
+    """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="rollouts")
     step = models.IntegerField()
@@ -360,8 +366,7 @@ class Rollout(models.Model):
     completion_tokens = models.IntegerField(default=0)
     truncated = models.BooleanField(default=False)
     num_turns = models.IntegerField(default=0)
-    invalid_moves = models.IntegerField(null=True, blank=True)
-    random_move_prob = models.FloatField(null=True, blank=True)
+    facts = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True)
     seconds = models.FloatField(default=0.0)
     created = models.DateTimeField(default=timezone.now)
@@ -395,8 +400,7 @@ class Rollout(models.Model):
             "rewards": self.rewards,
             "completion_tokens": self.completion_tokens,
             "num_turns": self.num_turns,
-            "invalid_moves": self.invalid_moves,
-            "random_move_prob": self.random_move_prob,
+            "facts": self.facts,
             "truncated": self.truncated,
             "error": bool(self.error),
             "url": self.get_absolute_url(),
@@ -422,6 +426,7 @@ class Rollout(models.Model):
             "truncated": self.truncated,
             "error": self.error or None,
             "info": self.info,
+            "facts": self.facts,
             "seconds": self.seconds,
         }
 

@@ -1,5 +1,6 @@
-"""Shaping stored data for pages: conversations with the reasoning set apart, the
-tic-tac-toe board move by move, an eval summary as tables, metric charts' panels.
+"""Shaping stored data for pages: conversations with the reasoning set apart, an env's
+facts and drawings of a rollout (declared by the env: `Environment.facts`,
+`Environment.state_views`), an eval summary as tables.
 
 Pure functions of plain data; no queries.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from rlcore.envs.tictactoe import move_values
+from rlcore.envs import Environment, Fact
 
 THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
 TAG = re.compile(r"<(?!think\b)([a-z_]+)>(.*?)</\1>", re.DOTALL)
@@ -53,77 +54,69 @@ def present_messages(messages: list[dict], prompt_len: int = 0) -> list[dict]:
     return shown
 
 
-VALUE_NAMES = {1: "a win", 0: "the draw", -1: "a loss"}
+def fact_text(fact: Fact, value) -> str:
+    """One fact's value as the inspector shows it; "–" where the rollout has none."""
+    if value is None:
+        return "–"
+    if fact.type == "float" and isinstance(value, int | float):
+        return f"{value:.3f}"
+    return str(value)
 
 
-def move_verdict(board: list[str], cell: int, mark: str) -> dict | None:
-    """Whether playing `mark` on `cell` keeps the game-theoretic value of `board` (the env's
-    solver: `move_values`), as {"sound", "text"}; None where the position is not a legal
-    one to judge (a stored state from elsewhere, say)."""
-    try:
-        values = move_values(board, mark)
-        before, after = max(values.values()), values[cell]
-    except (ValueError, KeyError):
-        return None
-    if after == before:
-        if before < 0:
-            return {"sound": True, "text": "sound: already lost, no move saves it"}
-        return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}"}
-    return {"sound": False, "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[after]}"}
+def fact_rows(facts: list[Fact], values: dict) -> list[dict]:
+    """[{name, label, text}] for each declared fact, in declaration order."""
+    values = values if isinstance(values, dict) else {}
+    return [
+        {"name": fact.name, "label": fact.label, "text": fact_text(fact, values.get(fact.name))}
+        for fact in facts
+    ]
 
 
-def _think_verdicts(state: dict) -> list[bool] | None:
-    """Whether the think block of each of the model's played moves read the board right,
-    in move order: the env records one entry per reply in `think_correct` and
-    `move_sound` (None there for an invalid reply, which played nothing). None when the
-    state holds no such record or the two records disagree in length."""
-    thinks, sound = state.get("think_correct"), state.get("move_sound")
-    if not isinstance(thinks, list) or not isinstance(sound, list) or len(thinks) != len(sound):
-        return None
-    return [bool(think) for think, played in zip(thinks, sound, strict=True) if played is not None]
-
-
-def board_frames(state: dict) -> list[dict]:
-    """The tic-tac-toe board after each move in `state["moves"]` (empty if not a board game);
-    moves of a random opening (the env's `opening_moves`, played before the model took
-    over) are flagged so the page does not show them as the model's choices, and each of
-    the model's own moves carries the solver's verdict (`move_verdict`) and, where the env
-    recorded it, whether the reply's think block read the board right (`think_correct`)."""
-    moves = state.get("moves")
-    if not isinstance(moves, list):
+def state_views(env_class: type[Environment] | None, state: dict) -> list[dict]:
+    """The env's drawings of a final state (`Environment.state_views`) shaped for the
+    generic template: each grid cell with its tone and whether it is highlighted. Views of
+    a kind the page does not know are left out; an unknown env draws nothing (the page
+    still shows the state's JSON)."""
+    if env_class is None:
         return []
-    thinks = _think_verdicts(state)
-    model_moves = 0
-    board = ["."] * 9
-    frames = []
-    for number, move in enumerate(moves, start=1):
-        if not isinstance(move, dict) or not isinstance(move.get("cell"), int):
+    shown = []
+    for view in env_class.state_views(state if isinstance(state, dict) else {}):
+        if not isinstance(view, dict):
             continue
-        cell = move["cell"]
-        verdict = think = None
-        if move.get("player") == "model" and not move.get("opening") and 0 <= cell < 9:
-            verdict = move_verdict(list(board), cell, move.get("mark", ""))
-            if thinks is not None and model_moves < len(thinks):
-                think = thinks[model_moves]
-            model_moves += 1
-        if 0 <= cell < 9:
-            board[cell] = move.get("mark", "?")
-        frames.append(
-            {
-                "number": number,
-                "player": move.get("player", ""),
-                "mark": move.get("mark", ""),
-                "cell": cell,
-                "opening": bool(move.get("opening")),
-                "verdict": verdict,
-                "think": think,
-                "rows": [
-                    [{"mark": board[i], "last": i == cell} for i in range(r, r + 3)]
-                    for r in (0, 3, 6)
-                ],
-            }
-        )
-    return frames
+        common = {
+            "kind": view.get("kind"),
+            "title": str(view.get("title", "")),
+            "muted": bool(view.get("muted")),
+            "notes": [
+                {
+                    "name": str(note.get("name", "")),
+                    "ok": bool(note.get("ok")),
+                    "text": note.get("text", ""),
+                }
+                for note in view.get("notes") or []
+                if isinstance(note, dict)
+            ],
+        }
+        if view.get("kind") == "grid":
+            shown.append({**common, "rows": _grid_rows(view)})
+        elif view.get("kind") == "text":
+            shown.append({**common, "text": str(view.get("text", ""))})
+    return shown
+
+
+def _grid_rows(view: dict) -> list[list[dict]]:
+    highlight = {
+        tuple(cell) for cell in view.get("highlight") or [] if isinstance(cell, list | tuple)
+    }
+    tones = view.get("tones") if isinstance(view.get("tones"), dict) else {}
+    return [
+        [
+            {"text": str(text), "tone": tones.get(text), "highlight": (r, c) in highlight}
+            for c, text in enumerate(row)
+        ]
+        for r, row in enumerate(view.get("rows") or [])
+        if isinstance(row, list)
+    ]
 
 
 def summary_tables(summary: dict | None) -> dict | None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 
 from django.core.cache import cache
-from django.db.models import FloatField, Func, QuerySet
+from django.db import connection
+from django.db.models import FloatField, Func, OrderBy, QuerySet
+from django.db.models.fields.json import KeyTransform
 from django.shortcuts import get_object_or_404
 
+from rlcore.envs import Environment, Fact, get_env_class
 from webapp.jobs.models import EnvironmentConfig, Job, LogLine, Metric, ModelEntry, Rollout
 
 DEFAULT_MAX_POINTS = 2000
@@ -202,17 +205,43 @@ def recent_rollouts(job: Job, *, since: int | None = None, limit: int = 50) -> l
 # Rollouts
 
 
+def job_env_class(job: Job) -> type[Environment] | None:
+    """The class of the environment `job` ran, which declares what the inspector filters
+    rollouts on and how it draws them; None for a job without one (SFT) or whose env is
+    no longer registered."""
+    name = job.config.get("env") or (job.env_config.env_name if job.env_config_id else "")
+    try:
+        return get_env_class(name) if name else None
+    except KeyError:
+        return None
+
+
+def job_facts(job: Job) -> list[Fact]:
+    env_class = job_env_class(job)
+    return list(env_class.facts) if env_class else []
+
+
+@dataclass
+class FactFilter:
+    """One declared fact's filter: a range for a number, equality for text."""
+
+    name: str
+    low: float | None = None
+    high: float | None = None
+    equals: str | None = None
+
+
 @dataclass
 class RolloutFilters:
-    """The inspector's filters; every field optional."""
+    """The inspector's filters; every field optional. `sort` is a key of SORTS, or a
+    fact's name after FACT_PREFIX (with a leading "-" for descending)."""
 
     outcome: str = ""
     reward_min: float | None = None
     reward_max: float | None = None
     step: int | None = None
     example_id: int | None = None
-    opponent_min: float | None = None
-    opponent_max: float | None = None
+    facts: list[FactFilter] = field(default_factory=list)
     search: str = ""
     errors_only: bool = False
     sort: str = "step"
@@ -226,11 +255,44 @@ SORTS = {
     "example": ("example_id", "step", "id"),
     "length": ("completion_tokens", "id"),
     "-length": ("-completion_tokens", "id"),
-    "invalid": ("invalid_moves", "id"),
-    "-invalid": ("-invalid_moves", "id"),
-    "opponent": ("random_move_prob", "id"),
-    "-opponent": ("-random_move_prob", "id"),
 }
+# A fact's filter and sort names in URLs start with this: `fact_<name>_min`, `sort=fact_<name>`.
+FACT_PREFIX = "fact_"
+
+
+def _fact_value(name: str) -> KeyTransform:
+    # The key as an expression rather than `facts__<name>`, so a fact named like a lookup
+    # ("contains", "gte") is still a key.
+    return KeyTransform(name, "facts")
+
+
+def _filter_fact(rows: QuerySet[Rollout], index: int, fact: FactFilter) -> QuerySet[Rollout]:
+    if fact.equals is not None:
+        if connection.vendor == "postgresql":
+            # Containment is what the GIN index on facts serves (migration 0003).
+            return rows.filter(facts__contains={fact.name: fact.equals})
+        alias = f"fact_{index}"
+        return rows.alias(**{alias: _fact_value(fact.name)}).filter(**{alias: fact.equals})
+    alias = f"fact_{index}"
+    rows = rows.alias(**{alias: _fact_value(fact.name)})
+    if fact.low is not None:
+        rows = rows.filter(**{f"{alias}__gte": fact.low})
+    if fact.high is not None:
+        rows = rows.filter(**{f"{alias}__lte": fact.high})
+    return rows
+
+
+def _ordering(sort: str) -> tuple:
+    name = sort.removeprefix("-")
+    if name.startswith(FACT_PREFIX):
+        # Rollouts without the fact come last either way.
+        key = OrderBy(
+            _fact_value(name.removeprefix(FACT_PREFIX)),
+            descending=sort.startswith("-"),
+            nulls_last=True,
+        )
+        return (key, "id")
+    return SORTS.get(sort, SORTS["step"])
 
 
 def rollouts_filtered(job: Job, filters: RolloutFilters) -> QuerySet[Rollout]:
@@ -245,16 +307,14 @@ def rollouts_filtered(job: Job, filters: RolloutFilters) -> QuerySet[Rollout]:
         rows = rows.filter(step=filters.step)
     if filters.example_id is not None:
         rows = rows.filter(example_id=filters.example_id)
-    if filters.opponent_min is not None:
-        rows = rows.filter(random_move_prob__gte=filters.opponent_min)
-    if filters.opponent_max is not None:
-        rows = rows.filter(random_move_prob__lte=filters.opponent_max)
+    for index, fact in enumerate(filters.facts):
+        rows = _filter_fact(rows, index, fact)
     if filters.search:
         # The messages' JSON as text: finds words in any message, role or tool call.
         rows = rows.filter(messages__icontains=filters.search)
     if filters.errors_only:
         rows = rows.exclude(error="")
-    return rows.order_by(*SORTS.get(filters.sort, SORTS["step"]))
+    return rows.order_by(*_ordering(filters.sort))
 
 
 def rollout_outcomes(job: Job) -> list[str]:

@@ -374,7 +374,7 @@ def compare(request):
 
 def _filtered_rollouts(request, job):
     """(filter form, matching rollouts), or (form with errors, None)."""
-    form = RolloutFilterForm(request.GET)
+    form = RolloutFilterForm(request.GET, facts=selectors.job_facts(job))
     if not form.is_valid():
         return form, None
     return form, selectors.rollouts_filtered(job, form.filters())
@@ -396,6 +396,11 @@ def rollout_list(request, pk: int):
             "job": job,
             "form": form,
             "page": page,
+            "facts": form.facts,
+            "rows": [
+                (rollout, presenters.fact_rows(form.facts, rollout.facts))
+                for rollout in page.object_list
+            ],
             "reward_names": selectors.rollout_reward_names(job, page.object_list),
             "outcomes": selectors.rollout_outcomes(job),
             "query": query.urlencode(),
@@ -412,6 +417,7 @@ def rollout_detail(request, pk: int, rollout_id: int):
         .exclude(pk=rollout.pk)
         .only("id", "step", "reward", "outcome")[:20]
     )
+    env_class = selectors.job_env_class(job)
     return render(
         request,
         "jobs/rollout_detail.html",
@@ -419,7 +425,9 @@ def rollout_detail(request, pk: int, rollout_id: int):
             "job": job,
             "rollout": rollout,
             "messages_shown": presenters.present_messages(rollout.messages, rollout.prompt_len),
-            "frames": presenters.board_frames(rollout.state),
+            "facts": presenters.fact_rows(selectors.job_facts(job), rollout.facts),
+            "views": presenters.state_views(env_class, rollout.state),
+            "views_title": env_class.state_views_title if env_class else "",
             "siblings": siblings,
             "state_json": json.dumps(rollout.state, indent=2, sort_keys=True),
             "info_json": json.dumps(rollout.info, indent=2, sort_keys=True),
@@ -442,11 +450,12 @@ def rollout_compare(request, pk: int):
             f"{pair[1].example_id}); side by side anyway.",
         )
     reward_names = selectors.rollout_reward_names(job, pair)
+    env_class = selectors.job_env_class(job)
     columns = [
         {
             "rollout": r,
             "messages_shown": presenters.present_messages(r.messages, r.prompt_len),
-            "frames": presenters.board_frames(r.state),
+            "views": presenters.state_views(env_class, r.state),
             "rewards": [(name, r.rewards.get(name)) for name in reward_names],
         }
         for r in pair
