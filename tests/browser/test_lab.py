@@ -158,7 +158,7 @@ def test_a_rollout_opens_in_the_inspector_with_its_conversation_and_board(page: 
     conversation = page.locator("#conversation .conversation")
     expect(conversation.locator("li[data-role=system]")).to_have_count(1)
     expect(conversation.locator("li[data-role=assistant]").first).to_contain_text("<move>")
-    boards = page.locator("[data-testid=boards] .board-frame")
+    boards = page.locator("[data-testid=state-views] .state-view")
     expect(boards.first).to_be_visible()
     assert boards.count() >= 3  # the model and the opponent take turns
     # Each of the model's moves carries the solver's verdict.
