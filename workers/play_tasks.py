@@ -118,9 +118,7 @@ def play_model_move(game_id: int) -> str:
     board_before = list(session.board)
     try:
         policy = policy_for(game.policy)
-        asyncio.run(
-            session.model_turn(policy, services.game_sampling(game), max_attempts=game.max_attempts)
-        )
+        asyncio.run(_model_turn(session, policy, game))
     except Exception as exc:
         logger.exception("play: game %s: the model could not move", game_id)
         services.game_record_model_failure(
