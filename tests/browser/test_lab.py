@@ -145,6 +145,44 @@ def test_an_eval_job_streams_its_curves_until_it_succeeds(page: Page, lab, stack
         screenshot(page, "job_live.png")
 
 
+FLAT_PANELS_JS = """() => [...document.querySelectorAll('#metric-charts .chart')]
+  .filter((div) => div.data && div.data.length && div.data[0].y.length > 2)
+  .filter((div) => new Set(div.data[0].y).size === 1)
+  .map((div) => ({panel: div.dataset.panel, range: div.layout.yaxis.range,
+                  smoothed: div.data[1].y}))"""
+
+
+def test_the_charts_group_by_namespace_draw_flat_series_flat_and_filter(page: Page, lab):
+    page.goto(f"/jobs/{need(lab, 'job_id')}/")
+    expect(page.locator("#metric-charts .chart").first).to_be_visible()
+    page.wait_for_function("document.querySelectorAll('#metric-charts .chart-section').length > 2")
+    sections = page.locator("#metric-charts > details.chart-section").evaluate_all(
+        "(nodes) => nodes.map((node) => node.dataset.section)"
+    )
+    assert sections[:2] == ["outcome", "reward"], sections
+    # A metric that never changes is drawn flat, inside a readable range.
+    flat = page.evaluate(FLAT_PANELS_JS)
+    assert flat, "the random player's run has a constant metric (its format rate)"
+    for panel in flat:
+        low, high = panel["range"]
+        assert high - low >= 0.1, panel
+        assert len(set(panel["smoothed"])) == 1, panel
+    # The search box keeps only the panels whose metric names match.
+    page.fill("#metric-search", "reward/mean")
+    visible = page.locator("#metric-charts .chart:visible").evaluate_all(
+        "(nodes) => nodes.map((node) => node.dataset.panel)"
+    )
+    assert visible == ["reward/mean"], visible
+    # A closed section stays closed on the next visit to a job of this kind.
+    page.fill("#metric-search", "")
+    closed = f'details.chart-section[data-section="{sections[-1]}"]'
+    page.locator(f"{closed} > summary").click()
+    page.reload()
+    expect(page.locator(closed)).to_be_attached()
+    assert page.locator(closed).get_attribute("open") is None
+    assert page.locator('details.chart-section[data-section="reward"]').get_attribute("open") == ""
+
+
 def test_a_rollout_opens_in_the_inspector_with_its_conversation_and_board(page: Page, lab):
     job_id = need(lab, "job_id")
     page.goto(f"/jobs/{job_id}/")
