@@ -12,7 +12,14 @@ Environment variables (all optional):
   RUNS_DIR       job outputs and checkpoints; default RLLAB_VAR_DIR/runs
   MODEL_ROOTS    os.pathsep-separated directories a model path may live under;
                  default RUNS_DIR, RLLAB_VAR_DIR/models, ~/.cache/rlcore/models, ./runs
-  WORKER_STALE_SECONDS  a running job silent this long has its worker pinged (default 120)
+  WORKER_LOST_SECONDS   a running job whose worker sent no heartbeat for this long is
+                        marked lost (default 60)
+  JOB_HEARTBEAT_SECONDS how often a running job's sink writes its heartbeat, even within a
+                        long step; default WORKER_LOST_SECONDS / 4, at most 15
+  WORKER_WATCHDOG_SECONDS  how often each worker looks for lost jobs and queued jobs whose
+                        broker message is gone (default 15)
+  QUEUED_RESEND_SECONDS a queued job this old whose message is not in the broker is sent
+                        again (default 30)
 """
 
 from __future__ import annotations
@@ -187,8 +194,24 @@ CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# A worker rides out broker restarts: it retries the connection forever (the default gives
+# up after 100 tries and the worker exits), at startup as well, and lets running jobs go on
+# while the broker is away (their rows, not the broker, are the record). The consumer class
+# fixes Celery 5.7.0's crash on reconnecting with a job running (see workers/celery.py).
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
+CELERY_WORKER_CONSUMER = "workers.celery:Consumer"
 
-WORKER_STALE_SECONDS = int(os.environ.get("WORKER_STALE_SECONDS", "120"))
+# Every worker runs a watchdog thread (workers/tasks.py): jobs whose heartbeat is older than
+# WORKER_LOST_SECONDS are marked lost, and queued jobs whose message the broker no longer
+# holds (Redis restarted without persistence) are sent again.
+WORKER_LOST_SECONDS = float(os.environ.get("WORKER_LOST_SECONDS", "60"))
+JOB_HEARTBEAT_SECONDS = float(
+    os.environ.get("JOB_HEARTBEAT_SECONDS") or min(15.0, WORKER_LOST_SECONDS / 4)
+)
+WORKER_WATCHDOG_SECONDS = float(os.environ.get("WORKER_WATCHDOG_SECONDS", "15"))
+QUEUED_RESEND_SECONDS = float(os.environ.get("QUEUED_RESEND_SECONDS", "30"))
 
 LOGGING = {
     "version": 1,

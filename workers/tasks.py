@@ -5,22 +5,37 @@ the config class for its kind from the stored config, runs it with a DatabaseSin
 marks it succeeded, cancelled (the sink saw `cancel_requested`) or failed (with the
 exception's text; the traceback goes to the job's log).
 
-A worker that dies does not lose its job silently. Tasks are acknowledged late and
-rejected back to the queue when the worker process is lost, so the message comes round
-again; run_job then finds the job still "running" and, unless another live worker still
-has it, marks it failed with the reason and sends a `worker_lost` status message. On
-startup a worker also fails the jobs its previous incarnation (same hostname) left
-running, and the job page pings the worker of a job whose heartbeat went stale
-(webapp.jobs.services.job_check_worker).
+A worker that dies does not lose its job silently; such a job ends "lost", with the
+reason, a log line and a `worker_lost` status message to its page:
+- a pool process that dies hands its message back (acknowledged late, rejected on worker
+  loss); run_job then finds the job still running and, unless another live process still
+  has it, marks it lost;
+- a whole worker that dies (kill -9, out of memory, machine gone) stops the job's
+  heartbeat; every worker's watchdog thread marks running jobs silent for
+  WORKER_LOST_SECONDS lost (jobs_reap_lost), and a worker restarted under the same
+  hostname marks the jobs its previous incarnation left running lost at once;
+- the job page does the same check when it loads (webapp.jobs.services.job_check_worker),
+  for a lab with no worker left at all.
+
+The database, not the broker, says which jobs still need a worker: on startup and then
+periodically a worker sends again the queued jobs whose message Redis no longer holds
+(jobs_resend_queued), e.g. after Redis restarted without persistence. A duplicate message
+is harmless: the claim moves a job from queued to running atomically, and a message for a
+job that is already running elsewhere is skipped.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 import traceback
+from datetime import timedelta
 
 from celery import signals
 from celery.utils.log import get_task_logger
-from django.db import close_old_connections
+from django.conf import settings
+from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from webapp.jobs.live import notify_job
@@ -47,18 +62,30 @@ def _status_message(job: Job, **extra) -> dict:
     }
 
 
-def worker_has_task(hostname: str, task_id: str, timeout: float = 1.0) -> bool:
-    """Whether worker `hostname` answers and is running task `task_id` right now."""
+def task_holders(hostname: str, task_id: str, timeout: float = 1.0) -> list[int] | None:
+    """The process ids of worker `hostname` running task `task_id` now; None if the
+    worker does not answer within `timeout` seconds."""
     if not hostname:
-        return False
+        return None
     replies = app.control.inspect(destination=[hostname], timeout=timeout).active() or {}
-    return any(task.get("id") == task_id for task in replies.get(hostname, []))
+    if hostname not in replies:
+        return None
+    return [task.get("worker_pid") for task in replies[hostname] if task.get("id") == task_id]
 
 
-def job_mark_worker_lost(*, job_id: int, reason: str) -> bool:
-    """Fail a running job whose worker is gone; True if this call changed it."""
-    changed = Job.objects.filter(pk=job_id, status=Job.Status.RUNNING).update(
-        status=Job.Status.FAILED, error=f"worker lost: {reason}", finished=timezone.now()
+def heartbeat_is_fresh(job: Job) -> bool:
+    seen = job.heartbeat or job.started
+    return bool(seen) and (timezone.now() - seen).total_seconds() < settings.WORKER_LOST_SECONDS
+
+
+def job_mark_worker_lost(*, job_id: int, reason: str, silent_since=None) -> bool:
+    """Mark a running job whose worker is gone lost; True if this call changed it.
+    With `silent_since`, only if its heartbeat is still older than that."""
+    running = Job.objects.filter(pk=job_id, status=Job.Status.RUNNING)
+    if silent_since is not None:
+        running = running.filter(heartbeat__lt=silent_since)
+    changed = running.update(
+        status=Job.Status.LOST, error=f"worker lost: {reason}", finished=timezone.now()
     )
     if changed:
         job = Job.objects.get(pk=job_id)
@@ -83,9 +110,15 @@ def _claim(job_id: int, hostname: str) -> Job | None:
     if job.status in TERMINAL:
         return None  # cancelled while queued, or already handled after a redelivery
     if job.status == Job.Status.RUNNING:
-        # The message came round again: the worker that had it died, unless it is another
-        # worker that is still running it (a redelivery after the visibility timeout).
-        if job.worker != hostname and worker_has_task(job.worker, job.celery_task_id):
+        # The message came round again: the process that had it died, unless another
+        # process still runs it (a message restored after a broker restart, a duplicate
+        # re-sent by jobs_resend_queued). Our own request is the one with our pid.
+        pids = task_holders(job.worker, job.celery_task_id)
+        if pids is None:
+            running_elsewhere = heartbeat_is_fresh(job)  # no answer: the reaper decides
+        else:
+            running_elsewhere = any(job.worker != hostname or pid != os.getpid() for pid in pids)
+        if running_elsewhere:
             logger.warning(
                 "job %s is still running on %s; not starting it twice", job_id, job.worker
             )
@@ -168,7 +201,7 @@ def run_job(self, job_id: int) -> str:
     job = _claim(job_id, self.request.hostname or "")
     if job is None:
         return "skipped"
-    sink = DatabaseSink(job).start()
+    sink = DatabaseSink(job, heartbeat_seconds=settings.JOB_HEARTBEAT_SECONDS).start()
     try:
         summary, result = execute(job, sink)
         sink.close()
@@ -195,16 +228,112 @@ def run_job(self, job_id: int) -> str:
     return status
 
 
+def jobs_reap_lost() -> list[int]:
+    """Mark lost the running jobs whose heartbeat is older than WORKER_LOST_SECONDS (the
+    sink writes it at least every JOB_HEARTBEAT_SECONDS, also within a long step)."""
+    cutoff = timezone.now() - timedelta(seconds=settings.WORKER_LOST_SECONDS)
+    reaped = []
+    for job_id, worker, heartbeat in Job.objects.filter(
+        status=Job.Status.RUNNING, heartbeat__lt=cutoff
+    ).values_list("pk", "worker", "heartbeat"):
+        silent = (timezone.now() - heartbeat).total_seconds()
+        reason = (
+            f"worker {worker or '?'} sent no heartbeat for {silent:.0f} s (limit "
+            f"{settings.WORKER_LOST_SECONDS:g} s): killed, out of memory, or the machine "
+            "went away"
+        )
+        if job_mark_worker_lost(job_id=job_id, reason=reason, silent_since=cutoff):
+            logger.warning("job %s lost: %s", job_id, reason)
+            reaped.append(job_id)
+    return reaped
+
+
+def broker_task_ids(queues: set[str]) -> set[str]:
+    """The ids of the tasks the broker holds for `queues`: waiting in a queue (at any
+    priority) or delivered to a worker and not yet acknowledged."""
+    ids = set()
+    with app.connection_for_write() as broker:
+        channel = broker.default_channel
+        client = channel.client
+        for queue in queues:
+            for priority in channel.priority_steps:
+                for raw in client.lrange(channel._q_for_pri(queue, priority), 0, -1):
+                    ids.add(json.loads(raw)["headers"]["id"])
+        for raw in client.hvals(channel.unacked_key):
+            message = json.loads(raw)[0]
+            ids.add(message["headers"]["id"])
+    return ids
+
+
+def jobs_resend_queued(*, hostname: str = "") -> list[int]:
+    """Send again the queued jobs (older than QUEUED_RESEND_SECONDS, so a job whose message
+    is being sent right now is left alone) whose message the broker does not hold."""
+    cutoff = timezone.now() - timedelta(seconds=settings.QUEUED_RESEND_SECONDS)
+    queued = list(
+        Job.objects.filter(status=Job.Status.QUEUED, created__lt=cutoff).values_list(
+            "pk", "queue", "celery_task_id"
+        )
+    )
+    if not queued:
+        return []
+    in_broker = broker_task_ids({queue for _, queue, _ in queued})
+    resent = []
+    for job_id, queue, task_id in queued:
+        if task_id in in_broker:
+            continue
+        run_job.apply_async(args=[job_id], queue=queue, task_id=task_id)
+        message = (
+            f"queued job sent again to queue {queue}{f' by {hostname}' if hostname else ''}: "
+            "the broker no longer held its message (Redis restarted without persistence?)"
+        )
+        LogLine.objects.create(job_id=job_id, level="warning", message=message)
+        logger.warning("job %s: %s", job_id, message)
+        resent.append(job_id)
+    return resent
+
+
+def _watchdog(hostname: str, stop: threading.Event) -> None:
+    """Every WORKER_WATCHDOG_SECONDS: reap lost jobs, re-send queued ones. Runs in each
+    worker's main process, beside the pool, so busy pool processes do not delay it; two
+    workers doing it at once is harmless (both updates are conditional)."""
+    while not stop.wait(settings.WORKER_WATCHDOG_SECONDS):
+        for sweep in (jobs_reap_lost, lambda: jobs_resend_queued(hostname=hostname)):
+            try:
+                sweep()
+            except Exception as exc:  # the database or the broker is away: try next time
+                logger.warning("watchdog on %s: %s: %s", hostname, type(exc).__name__, exc)
+        connection.close()
+
+
+_watchdog_stop = threading.Event()
+
+
 @signals.worker_ready.connect
 def fail_jobs_left_running(sender=None, **kwargs) -> None:
     """A worker starting under a hostname that still has running jobs was restarted
-    while running them: those jobs are lost."""
+    while running them: those jobs are lost. Then queued jobs the broker lost are sent
+    again, and the watchdog starts."""
     hostname = getattr(sender, "hostname", "")
     if not hostname:
         return
-    for job_id in Job.objects.filter(status=Job.Status.RUNNING, worker=hostname).values_list(
-        "pk", flat=True
-    ):
-        job_mark_worker_lost(
-            job_id=job_id, reason=f"worker {hostname} restarted while the job was running"
-        )
+    try:
+        for job_id in Job.objects.filter(status=Job.Status.RUNNING, worker=hostname).values_list(
+            "pk", flat=True
+        ):
+            job_mark_worker_lost(
+                job_id=job_id, reason=f"worker {hostname} restarted while the job was running"
+            )
+        jobs_resend_queued(hostname=hostname)
+    except Exception as exc:  # the database or the broker is away: the watchdog tries again
+        logger.warning("worker %s start: %s: %s", hostname, type(exc).__name__, exc)
+    finally:
+        # Pool processes forked later must not share this process's database socket.
+        connection.close()
+    threading.Thread(
+        target=_watchdog, args=(hostname, _watchdog_stop), name="rllab-watchdog", daemon=True
+    ).start()
+
+
+@signals.worker_shutdown.connect
+def stop_watchdog(sender=None, **kwargs) -> None:
+    _watchdog_stop.set()
