@@ -34,7 +34,7 @@ def test_an_oracle_eval_runs_on_the_worker(alice, ttt_config, oracle, celery_wor
     assert job.summary["num_rollouts"] == 12 and job.summary["outcomes"]["loss"]["count"] == 0
     assert Rollout.objects.filter(job=job).count() == 12
     assert not Rollout.objects.filter(job=job, outcome="loss").exists()
-    assert Rollout.objects.filter(job=job, random_move_prob__isnull=False).count() == 12
+    assert Rollout.objects.filter(job=job, facts__has_key="random_move_prob").count() == 12
     assert Metric.objects.filter(job=job, name="reward/mean").exists()
     assert "reward" in job.result["report"]
     # Channel messages: running, per-step batches with metrics and rollout ids, succeeded.
