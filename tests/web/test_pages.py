@@ -246,3 +246,21 @@ def test_the_env_preview_follows_the_forms_parameters(alice_client):
     assert 'data-preview-url="/envs/tictactoe/preview/"' in page(
         alice_client, "/envs/tictactoe/new/"
     )
+
+
+def test_the_inspector_names_the_outcome_and_its_reward_apart_and_says_what_is_stored(
+    alice, alice_client, alice_eval, ttt_config, tiny
+):
+    html = page(alice_client, f"/jobs/{alice_eval.pk}/rollouts/")
+    headers = re.findall(r"<th[^>]*>([^<]*)</th>", html)
+    assert "outcome" in headers and "outcome reward" in headers
+    assert headers.count("outcome") == 1
+    assert "Stored: every rollout." in html
+    rl = Job.objects.create(owner=alice, kind="rl", env_config=ttt_config, model=tiny,
+                            config={"batch_size": 512, "log_rollouts": 256})  # fmt: skip
+    assert "Stored: 256 of the 512 rollouts of each step" in page(
+        alice_client, f"/jobs/{rl.pk}/rollouts/"
+    )
+    rl.config = {"batch_size": 64, "log_rollouts": 256}
+    rl.save()
+    assert "Stored: every rollout (64 a step)." in page(alice_client, f"/jobs/{rl.pk}/rollouts/")

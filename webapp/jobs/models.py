@@ -229,6 +229,17 @@ class Job(models.Model):
         return self.checkpoints.filter(attempt=self.attempt)
 
     @property
+    def stored_share(self) -> str:
+        """How many of the rollouts the job played it keeps for the inspector."""
+        if self.kind != self.Kind.RL:
+            return "every rollout"
+        batch = int(self.config.get("batch_size") or 0)
+        kept = min(int(self.config.get("log_rollouts", batch) or 0), batch)
+        if kept >= batch:
+            return f"every rollout ({batch} a step)"
+        return f"{kept} of the {batch} rollouts of each step (log_rollouts)"
+
+    @property
     def group_name(self) -> str:
         """The Channels group its live updates go to."""
         return f"job-{self.pk}"
