@@ -280,3 +280,18 @@ def test_sft_offers_the_users_own_synth_datasets_newest_first(alice, bob, real_s
     choices = [value for value, _ in JobForm(kind="sft", user=alice).fields["dataset"].choices]
     assert choices == ["", paths[1], paths[0]]
     assert JobForm(kind="sft", user=bob).fields["dataset"].choices[1][0] == paths[2]
+
+
+def test_retries_and_requeues_say_where_they_came_from(alice, ttt_config, oracle, alice_client):
+    job = Job.objects.create(owner=alice, kind="eval", status="failed", env_config=ttt_config,
+                             model=oracle, config={"env": "tictactoe", "out_dir": "/x"})  # fmt: skip
+    assert job.title == "tictactoe · oracle"
+    retried = services.job_retry(job=job)
+    assert retried.title == f"tictactoe · oracle · retry of #{job.pk}"
+    services.job_requeue(job=job)
+    job.refresh_from_db()
+    assert job.title == "tictactoe · oracle · attempt 2"
+    listed = alice_client.get("/jobs/").content.decode()
+    assert f"retry of #{job.pk}" in listed and "attempt 2" in listed
+    detail = alice_client.get(f"/jobs/{retried.pk}/").content.decode()
+    assert f'href="/jobs/{job.pk}/">job #{job.pk}</a>' in detail

@@ -189,6 +189,9 @@ class Job(models.Model):
     parent_checkpoint = models.ForeignKey(
         "Checkpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="child_jobs"
     )
+    retry_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="retries"
+    )
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     worker = models.CharField(max_length=200, blank=True)
     queue = models.CharField(max_length=20, default="cpu")
@@ -220,9 +223,13 @@ class Job(models.Model):
 
     @property
     def title(self) -> str:
+        """Env and model, and where the job came from: "tictactoe · tiny · attempt 2 ·
+        retry of #4" (attempts and retries otherwise share one title)."""
         env = self.config.get("env") or (self.env_config.env_name if self.env_config else "")
         model = self.model.name if self.model else self.config.get("model", "")
-        return " · ".join(part for part in (env, model) if part)
+        attempt = f"attempt {self.attempt}" if self.attempt > 1 else ""
+        retry = f"retry of #{self.retry_of_id}" if self.retry_of_id else ""
+        return " · ".join(part for part in (env, model, attempt, retry) if part)
 
     def current_checkpoints(self):
         """The checkpoints of this attempt (a requeued job's earlier ones stay archived)."""
@@ -296,6 +303,8 @@ class Job(models.Model):
             "env_config": self.env_config_id,
             "model": self.model_id,
             "parent_checkpoint": self.parent_checkpoint_id,
+            "retry_of": self.retry_of_id,
+            "attempt": self.attempt,
             "worker": self.worker,
             "queue": self.queue,
             "progress": self.progress_dict(),

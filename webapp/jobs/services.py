@@ -462,9 +462,10 @@ def job_create(
     )
 
 
-def _job_insert(*, owner, kind, config, env_config, model, parent_checkpoint) -> Job:
+def _job_insert(*, owner, kind, config, env_config, model, parent_checkpoint, retry_of=None) -> Job:
     with transaction.atomic():
         job = Job.objects.create(
+            retry_of=retry_of,
             owner=owner,
             kind=kind,
             config=config,
@@ -530,6 +531,7 @@ def job_retry(*, job: Job) -> Job:
         env_config=job.env_config,
         model=job.model,
         parent_checkpoint=last or job.parent_checkpoint,
+        retry_of=job,
     )
 
 
