@@ -27,11 +27,14 @@ ensure_redis() {
   fi
   local port
   port=$(echo "$url" | sed -E 's#^redis://[^:/]*:?([0-9]*).*#\1#'); port=${port:-6379}
-  mkdir -p var
-  redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --save "" --appendonly no \
-    --dir "$PWD/var" --logfile "$PWD/var/redis.log"
-  for _ in $(seq 1 50); do redis_answers "$url" && { echo "redis: started on port $port (log: var/redis.log)"; return 0; }; sleep 0.2; done
-  echo "redis: started redis-server but it does not answer at $url; see var/redis.log" >&2
+  # Persistent (append-only file, fsync every second): queued jobs' messages survive a Redis
+  # restart. Its files live in RLLAB_VAR_DIR/redis-<port>.
+  local dir="${RLLAB_VAR_DIR:-$PWD/var}/redis-$port"
+  mkdir -p "$dir"
+  redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --save "" --appendonly yes \
+    --appendfsync everysec --dir "$dir" --logfile "$dir/redis.log"
+  for _ in $(seq 1 50); do redis_answers "$url" && { echo "redis: started on port $port, append-only file in $dir"; return 0; }; sleep 0.2; done
+  echo "redis: started redis-server but it does not answer at $url; see $dir/redis.log" >&2
   return 1
 }
 
