@@ -458,8 +458,16 @@ class _Reporter:
         self.started = time.monotonic()
         self.stop = sink.should_stop()
         self.logged_quarters = 0
+        self.warned_context = False
 
     def on_result(self, rollout: Rollout) -> None:
+        if rollout.state.get("context_exceeded") and not self.warned_context:
+            self.warned_context = True  # said once, as soon as it happens
+            self.sink.log(
+                f"{self.desc}: a conversation outgrew the model's context and ended there, "
+                f"truncated ({rollout.state['context_exceeded']}); others may follow",
+                "warning",
+            )
         self.finished.append(rollout)
         self.unreported.append(rollout)
         done = len(self.finished)

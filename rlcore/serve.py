@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rlcore.policy.base import PolicyError
+from rlcore.policy.base import ContextExceeded, PolicyError
 from rlcore.policy.local import LocalEngine
 from rlcore.types import SamplingParams
 
@@ -199,6 +199,8 @@ def build_app(engine: LocalEngine, served_name: str) -> Starlette:
             return error_response(str(exc), status=exc.status, param=exc.param, code=exc.code)
         try:
             generation = await engine.generate(messages, sampling, tools=tools)
+        except ContextExceeded as exc:  # checked before the request joins a batch
+            return error_response(str(exc), param="messages", code=ContextExceeded.code)
         except PolicyError as exc:
             return error_response(str(exc))
         content, tool_calls = (

@@ -197,3 +197,30 @@ def test_python_m_rlcore_serve_tiny_answers(rlcore_home):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_an_eval_whose_games_outgrow_the_context_ends_them_truncated_and_says_so(rlcore_home):
+    """Against `rlcore serve`, a conversation past the model's context ends that rollout
+    as truncated and scored (no error, no retries); the eval goes on and warns at once."""
+    from rlcore.evaluate import EvalConfig, run_eval
+    from rlcore.events import RecordingSink
+
+    small = LocalEngine(
+        str(rlcore_home / "models" / f"tiny-{tiny_config_hash()}"), device="cpu", name="tiny"
+    )
+    small.context_length = 260  # a few turns of tic-tac-toe, then no room
+    with ServerThread(build_app(small, "tiny")) as url:
+        over = chat(url, {"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]})
+        assert over.status_code == 400
+        assert over.json()["error"]["code"] == "context_length_exceeded"
+        sink = RecordingSink()
+        config = EvalConfig(env="tictactoe", model="tiny", base_url=url, api_key_env="",
+                            num_examples=3, max_tokens=8, env_args={"max_turns": 9})  # fmt: skip
+        result = run_eval(config, sink)
+    assert len(result.rollouts) == 3
+    assert all(r.error is None for r in result.rollouts)
+    outgrown = [r for r in result.rollouts if r.state.get("context_exceeded")]
+    assert outgrown and all(r.truncated for r in outgrown)
+    assert all("context" in r.state["context_exceeded"] for r in outgrown)
+    warnings = [m for level, m in sink.logs if level == "warning" and "outgrew" in m]
+    assert len(warnings) == 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_type_hints
 
 from rlcore.parsers import XMLParser, tag_contents
-from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
+from rlcore.policy.base import ConstantPolicy, ContextExceeded, Policy, PolicyError
 from rlcore.rubric import Rubric
 from rlcore.types import Example, Message, Rollout, SamplingParams, Turn
 
@@ -388,6 +388,10 @@ class MultiTurnEnv(Environment):
                 if inspect.isawaitable(reply):
                     reply = await reply
                 messages.extend(reply)
+        except ContextExceeded as exc:
+            # Not a failure: the game outgrew the model, as a reply can outgrow max_tokens.
+            rollout.truncated = True
+            state["context_exceeded"] = str(exc)
         except PolicyError as exc:
             rollout.error = f"policy error: {exc}"
         rollout.state = state

@@ -18,6 +18,15 @@ class PolicyError(RuntimeError):
     """A policy could not produce a reply (unreachable endpoint, bad model path...)."""
 
 
+class ContextExceeded(PolicyError):
+    """The conversation no longer fits the model's context window: known before any token
+    is generated. A rollout that meets it ends there, truncated, and is scored as it stands
+    (OpenAI's servers, vLLM and `rlcore serve` answer it with code
+    `context_length_exceeded`)."""
+
+    code = "context_length_exceeded"
+
+
 class StopRequested(PolicyError):
     """The run was asked to stop, so this reply was not made (or was cut off unfinished);
     the rollout that asked for it ends unfinished."""

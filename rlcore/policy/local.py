@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.policy.base import Policy, PolicyError, StopRequested
+from rlcore.policy.base import ContextExceeded, Policy, PolicyError, StopRequested
 from rlcore.policy.static_decode import (
     DecodeRequest,
     StaticDecoder,
@@ -262,7 +262,7 @@ class LocalEngine(Policy):
         if self.context_length:
             room = self.context_length - len(prompt_ids)
             if room < 1:
-                raise PolicyError(
+                raise ContextExceeded(
                     f"prompt is {len(prompt_ids)} tokens but {self.name!r} has a context of "
                     f"{self.context_length}; shorten the conversation or use a longer-context model"
                 )

@@ -17,7 +17,7 @@ import weakref
 
 import openai
 
-from rlcore.policy.base import Policy, PolicyError
+from rlcore.policy.base import ContextExceeded, Policy, PolicyError
 from rlcore.types import Generation, Message, SamplingParams
 
 
@@ -128,6 +128,10 @@ class OpenAIPolicy(Policy):
                     f"(401): {_error_message(exc)}"
                 ) from exc
             except openai.APIStatusError as exc:
+                if exc.status_code == 400 and _error_code(exc) == ContextExceeded.code:
+                    raise ContextExceeded(
+                        f"{self.base_url}, model {self.model!r}: {_error_message(exc)}"
+                    ) from exc
                 if exc.status_code < 500:
                     raise PolicyError(
                         f"{self.base_url} refused the request for model {self.model!r} "
@@ -148,6 +152,13 @@ class OpenAIPolicy(Policy):
         entry = self._per_loop.pop(loop, None)
         if entry is not None:
             await entry[0].close()
+
+
+def _error_code(exc: openai.APIStatusError) -> str | None:
+    """The OpenAI-style error code in the server's body (e.g. context_length_exceeded)."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error", body)
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def _error_message(exc: openai.APIStatusError) -> str:
