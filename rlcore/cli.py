@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         from rlcore.serve import main as serve_main
 
-        return serve_main(argv[1:]) or 0
+        return serve_main(argv[1:], prog="python -m rlcore serve") or 0
     if argv and argv[0] in TRAIN_COMMANDS:
         from rlcore.train.cli import main as train_main
 

@@ -3,8 +3,12 @@
 `python -m rlcore.serve MODEL [--host 127.0.0.1] [--port 8000] [--served-name NAME]` serves
 `tiny`, a checkpoint directory or a hub id at `/v1`, so anything that speaks the OpenAI API
 (the `openai` client, `OpenAIPolicy`, other labs' tools) can evaluate or play against it.
-Routes: `GET /v1/models` and `POST /v1/chat/completions` (non-streaming, n=1). Concurrent
-requests are batched by the engine. Tools given in a request go to the chat template, and
+Routes: `GET /v1/models` and `POST /v1/chat/completions`, with `n` replies (batched
+together), `stop` sequences (up to 4; the reply ends before the first one), `logprobs` (the
+sampled token's logprob per token; `top_logprobs` 0) and `stream` (server-sent events in
+OpenAI's chunk format: the reply's text comes as it is known, the whole reply once the
+engine finishes it, then the finish reason and `[DONE]`). Concurrent requests are batched
+by the engine. Tools given in a request go to the chat template, and
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in the model's reply come
 back as `message.tool_calls`. Bad requests get a 400 with an OpenAI-style error body.
 """
@@ -12,16 +16,18 @@ back as `message.tool_calls`. Bad requests get a 400 with an OpenAI-style error 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from rlcore.policy.base import ContextExceeded, PolicyError
@@ -34,11 +40,12 @@ DEFAULT_MAX_TOKENS = 1024
 ACCEPTED_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Options that would change what the client gets back; refusing them beats ignoring them.
 UNSUPPORTED_OPTIONS = {
-    "stop": "stop sequences are not supported; the reply ends at the model's end-of-turn token",
-    "logprobs": "logprobs are not returned by this server",
-    "top_logprobs": "logprobs are not returned by this server",
+    "top_logprobs": "top_logprobs are not returned by this server (logprobs=true gives the "
+    "sampled tokens' own logprobs)",
     "response_format": "response_format is not supported",
 }
+MAX_N = 16
+MAX_STOP = 4
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -78,18 +85,54 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, l
     return float(value)
 
 
-def parse_chat_request(
-    body: Any, served_name: str
-) -> tuple[list[dict], SamplingParams, list | None]:
-    """Messages, sampling settings and tools from a chat-completions body, or RequestError."""
+@dataclass
+class ChatRequest:
+    """A parsed chat-completions body."""
+
+    messages: list[dict]
+    sampling: SamplingParams
+    tools: list | None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    stream: bool = False
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or not all(isinstance(s, str) and s for s in stops)
+        or len(stops) > MAX_STOP
+    ):
+        raise RequestError(
+            f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got {stop!r}",
+            "stop",
+        )
+    return stops
+
+
+def parse_chat_request(body: Any, served_name: str) -> ChatRequest:
+    """The request in a chat-completions body, or RequestError naming the bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported; send stream=false", "stream")
-    if body.get("n") not in (None, 1):
-        raise RequestError(f"only n=1 is supported, got n={body.get('n')!r}", "n")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be an integer from 1 to {MAX_N}, got {n!r}", "n")
     for option, why in UNSUPPORTED_OPTIONS.items():
-        if body.get(option) not in (None, False, []):
+        if body.get(option) not in (None, False, [], 0):
             raise RequestError(why, option)
     model = body.get("model")
     if model is not None and model != served_name:
@@ -141,7 +184,46 @@ def parse_chat_request(
         raise RequestError("tools must be a list of function tool schemas", "tools")
     if body.get("tool_choice") == "none":
         tools = None
-    return cleaned, sampling, tools or None
+    return ChatRequest(
+        messages=cleaned,
+        sampling=sampling,
+        tools=tools or None,
+        n=n,
+        stop=_stop(body),
+        logprobs=_flag(body, "logprobs"),
+        stream=_flag(body, "stream"),
+    )
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` up to the first of `stops` (which is not included), and whether one was met."""
+    ends = [text.find(s) for s in stops if s in text]
+    return (text[: min(ends)], True) if ends else (text, False)
+
+
+def token_logprobs(engine: LocalEngine, generation, text: str) -> dict:
+    """OpenAI's `logprobs` of a choice: each sampled token of `text` with its logprob. A
+    token's text is what it adds to the decoded reply (a character split over several
+    tokens shows on the one that completes it), so the tokens join up to `text`."""
+    content, stable = [], ""  # stable: the decoded text up to the last whole character
+    ids = generation.completion_ids or []
+    for count, (_, logprob) in enumerate(zip(ids, generation.logprobs or [], strict=False), 1):
+        now = engine.tokenizer.decode(ids[:count])
+        piece = ""
+        if not now.endswith("\ufffd"):  # else a character is not complete yet
+            piece, stable = now[len(stable) :], now
+        content.append(
+            {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []}
+        )
+        if stable.startswith(text) and len(stable) >= len(text):
+            break  # the text is complete (a stop sequence may have cut it mid-token)
+    if content:  # the last token carries the end exactly: cut by a stop, or a partial char
+        before = "".join(entry["token"] for entry in content[:-1])
+        if text.startswith(before):
+            last = content[-1]
+            last["token"] = text[len(before) :]
+            last["bytes"] = list(last["token"].encode())
+    return {"content": content}
 
 
 def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
@@ -194,44 +276,56 @@ def build_app(engine: LocalEngine, served_name: str) -> Starlette:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(f"the request body is not valid JSON: {exc}")
         try:
-            messages, sampling, tools = parse_chat_request(body, served_name)
+            chat = parse_chat_request(body, served_name)
         except RequestError as exc:
             return error_response(str(exc), status=exc.status, param=exc.param, code=exc.code)
+        samplings = [
+            chat.sampling
+            if chat.sampling.seed is None
+            else replace(chat.sampling, seed=chat.sampling.seed + index)
+            for index in range(chat.n)
+        ]
         try:
-            generation = await engine.generate(messages, sampling, tools=tools)
+            generations = await asyncio.gather(
+                *(engine.generate(chat.messages, s, tools=chat.tools) for s in samplings)
+            )
         except ContextExceeded as exc:  # checked before the request joins a batch
             return error_response(str(exc), param="messages", code=ContextExceeded.code)
         except PolicyError as exc:
             return error_response(str(exc))
-        content, tool_calls = (
-            extract_tool_calls(generation.text) if tools else (generation.text, [])
+        choices = [choice(index, generation, chat) for index, generation in enumerate(generations)]
+        completion = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": served_name,
+        }
+        usage = {
+            "prompt_tokens": generations[0].prompt_tokens,
+            "completion_tokens": sum(g.completion_tokens for g in generations),
+        }
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if chat.stream:
+            return StreamingResponse(
+                stream_chunks(completion, choices, usage), media_type="text/event-stream"
+            )
+        return JSONResponse(
+            {**completion, "object": "chat.completion", "choices": choices, "usage": usage}
         )
+
+    def choice(index: int, generation, chat: ChatRequest) -> dict:
+        text, stopped = cut_at_stop(generation.text, chat.stop)
+        content, tool_calls = extract_tool_calls(text) if chat.tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        finish_reason = generation.finish_reason
+        finish_reason = "stop" if stopped else generation.finish_reason
         if tool_calls:
             message["tool_calls"] = tool_calls
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        return JSONResponse(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": served_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "finish_reason": finish_reason,
-                        "logprobs": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": generation.prompt_tokens,
-                    "completion_tokens": generation.completion_tokens,
-                    "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-                },
-            }
-        )
+        return {
+            "index": index,
+            "message": message,
+            "finish_reason": finish_reason,
+            "logprobs": token_logprobs(engine, generation, text) if chat.logprobs else None,
+        }
 
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
         return error_response(
@@ -255,6 +349,32 @@ def build_app(engine: LocalEngine, served_name: str) -> Starlette:
         ],
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
     )
+
+
+def stream_chunks(completion: dict, choices: list[dict], usage: dict):
+    """Server-sent events of `choices` in OpenAI's `chat.completion.chunk` form: the role,
+    the content (and tool calls, logprobs), the finish reason, then `[DONE]`."""
+
+    def event(choice_deltas: list[dict], **extra) -> str:
+        chunk = {**completion, "object": "chat.completion.chunk", "choices": choice_deltas}
+        return f"data: {json.dumps(chunk | extra)}\n\n"
+
+    for c in choices:
+        yield event([{"index": c["index"], "delta": {"role": "assistant"}, "finish_reason": None}])
+        delta = {k: v for k, v in c["message"].items() if k != "role" and v is not None}
+        yield event(
+            [
+                {
+                    "index": c["index"],
+                    "delta": delta,
+                    "logprobs": c["logprobs"],
+                    "finish_reason": None,
+                }
+            ]
+        )
+        yield event([{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}])
+    yield event([], usage=usage)
+    yield "data: [DONE]\n\n"
 
 
 class ServerThread:

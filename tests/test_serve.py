@@ -74,8 +74,10 @@ def test_a_completion_reports_usage_and_length(base_url, engine):
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"messages": HELLO, "stream": True}, "stream", "stream=true is not supported"),
-        ({"messages": HELLO, "n": 2}, "n", "only n=1"),
+        ({"messages": HELLO, "stream": "yes"}, "stream", "true or false"),
+        ({"messages": HELLO, "n": 0}, "n", "from 1 to 16"),
+        ({"messages": HELLO, "n": 99}, "n", "from 1 to 16"),
+        ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs", "not returned"),
         ({"messages": []}, "messages", "non-empty list"),
         ({}, "messages", "non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'robot'"),
@@ -84,7 +86,8 @@ def test_a_completion_reports_usage_and_length(base_url, engine):
         ({"messages": HELLO, "temperature": "hot"}, "temperature", "must be a number"),
         ({"messages": HELLO, "top_p": 0}, "top_p", "> 0.0"),
         ({"messages": HELLO, "max_tokens": 0}, "max_tokens", "positive integer"),
-        ({"messages": HELLO, "stop": ["\n"]}, "stop", "stop sequences"),
+        ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({"messages": HELLO, "stop": [""]}, "stop", "non-empty string"),
         ({"messages": HELLO, "tools": "all"}, "tools", "list of function"),
         ([1, 2], None, "JSON object"),
     ],
@@ -224,3 +227,53 @@ def test_an_eval_whose_games_outgrow_the_context_ends_them_truncated_and_says_so
     assert all("context" in r.state["context_exceeded"] for r in outgrown)
     warnings = [m for level, m in sink.logs if level == "warning" and "outgrew" in m]
     assert len(warnings) == 1
+
+
+def test_n_stop_and_logprobs_as_the_openai_api_has_them(base_url):
+    body = {"model": "tiny-test", "messages": HELLO, "max_tokens": 12, "temperature": 1.0,
+            "seed": 7, "n": 3, "logprobs": True}  # fmt: skip
+    data = chat(base_url, body).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in data["choices"]]
+    assert len(set(texts)) > 1  # seeds 7, 8, 9: different samples
+    # Every sampled token of the text, the end-of-turn token aside.
+    assert (
+        0
+        < sum(len(c["logprobs"]["content"]) for c in data["choices"])
+        <= (data["usage"]["completion_tokens"])
+    )
+    for c in data["choices"]:
+        tokens = c["logprobs"]["content"]
+        assert "".join(t["token"] for t in tokens) == c["message"]["content"]
+        assert all(t["logprob"] <= 0 for t in tokens)
+    # The reply ends before the first stop sequence, with finish_reason "stop".
+    greedy = {"model": "tiny-test", "messages": HELLO, "max_tokens": 12, "temperature": 0}
+    full = chat(base_url, greedy).json()["choices"][0]["message"]["content"]
+    stop = full[3:5]
+    cut = chat(base_url, greedy | {"stop": stop}).json()["choices"][0]
+    assert cut["message"]["content"] == full[: full.find(stop)]
+    assert cut["finish_reason"] == "stop"
+
+
+def test_a_streamed_completion_is_openai_chunks_then_done(base_url):
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="EMPTY")
+    body = {"model": "tiny-test", "messages": HELLO, "max_tokens": 6, "temperature": 0}
+    whole = client.chat.completions.create(**body).choices[0].message.content
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    with httpx.stream("POST", f"{base_url}/chat/completions", json=body | {"stream": True}) as raw:
+        lines = [line for line in raw.iter_lines() if line]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_serve_help_names_the_command_people_type(capsys):
+    from rlcore.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--help"])
+    assert "usage: python -m rlcore serve" in capsys.readouterr().out
