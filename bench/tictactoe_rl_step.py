@@ -14,7 +14,9 @@ reply, games of up to 6 turns from 2 opening moves):
 - scoring: advantages from the rewards and the training sequences with their weights;
 - train: the optimizer update (forward, backward, step), synchronised before the clock
   reads.
-The first step of each size (graph capture, allocator warm-up) is not timed; figures are
+The untrained model's games rarely differ within a group, so most advantages are 0 and
+little is trained; `--all-trained` gives every rollout an advantage of +1 or -1 (alternating)
+so the train column measures a step that trains on every sequence. The first step of each size (graph capture, allocator warm-up) is not timed; figures are
 medians of `--steps` steps. `--profile` runs one more step of the largest size under the
 torch profiler and prints its top operators. Writes bench/results/tictactoe_rl_step_<device>.json.
 """
@@ -74,7 +76,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_size(games: int, device_name: str, steps: int, micro_batch_size: int, profile: bool):
+def run_size(
+    games: int,
+    device_name: str,
+    steps: int,
+    micro_batch_size: int,
+    profile: bool,
+    all_trained: bool,
+):
     """Per-step seconds (rollout, scoring, train) at `games` games a step."""
     with tempfile.TemporaryDirectory() as output_dir:
         cfg = config(games, device_name, min(micro_batch_size, games), output_dir)
@@ -107,6 +116,11 @@ def run_size(games: int, device_name: str, steps: int, micro_batch_size: int, pr
         )
         rolled = time.perf_counter()
         turn_advantages, _ = step_advantages(env, rollouts, cfg)
+        if all_trained:
+            turn_advantages = [
+                [1.0 if index % 2 else -1.0] * len(turns)
+                for index, turns in enumerate(turn_advantages)
+            ]
         sequences = []
         for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
             sequences += training_sequences(rollout, advantages, cfg.loss.aggregation)
@@ -179,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--micro-batch-size", type=int, default=128, help="sequences per training micro-batch"
     )
     parser.add_argument("--profile", action="store_true", help="profile one step (largest)")
+    parser.add_argument("--all-trained", action="store_true", help="advantage +-1 on every rollout")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", default=None, help="JSON path (default by device)")
     args = parser.parse_args(argv)
@@ -196,14 +211,20 @@ def main(argv: list[str] | None = None) -> dict:
     summaries, details, profile_table = [], {}, None
     for games in sizes:
         summary, measured, table = run_size(
-            games, device, args.steps, args.micro_batch_size, args.profile and games == sizes[-1]
+            games,
+            device,
+            args.steps,
+            args.micro_batch_size,
+            args.profile and games == sizes[-1],
+            args.all_trained,
         )
         summaries.append(summary)
         details[games] = measured
         profile_table = table or profile_table
         print(f"  {games} games: {summary['step']:.2f} s/step", flush=True)
 
-    print(f"\ntic-tac-toe RL step, tiny model, {device} ({card})")
+    trained = ", every rollout trained (advantage +-1)" if args.all_trained else ""
+    print(f"\ntic-tac-toe RL step, tiny model, {device} ({card}){trained}")
     print(
         f"{'card':<22}{'games':>6}{'rollout s':>11}{'scoring s':>11}{'train s':>9}{'step s':>8}"
         f"{'vs 64':>7}{'batches':>9}{'tokens':>9}{'games/s':>9}"
@@ -227,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
         "card": card,
         "torch": torch.__version__,
         "micro_batch_size": args.micro_batch_size,
+        "all_trained": args.all_trained,
         "summaries": summaries,
         "steps": details,
         "profile": profile_table,

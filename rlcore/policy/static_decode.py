@@ -273,15 +273,14 @@ class StaticDecoder:
             ws.keys[index, :rows].index_copy_(2, ws.slot, key)
             ws.values[index, :rows].index_copy_(2, ws.slot, value)
             # The query heads sharing a kv head become that head's "sequence" of queries, so
-            # grouped-query attention reads each cached key and value once.
+            # grouped-query attention reads each cached key and value once. Two batched
+            # matrix products, not SDPA: its fused kernels tile for long queries and ran
+            # several times slower than the bytes allow on one-token queries (H200).
             query = query.reshape(rows, self.kv_heads, groups, self.head_dim)
-            out = F.scaled_dot_product_attention(
-                query,
-                ws.keys[index, :rows, :, :width],
-                ws.values[index, :rows, :, :width],
-                attn_mask=mask,
-                scale=attention.scaling,
-            )
+            scores = torch.matmul(query, ws.keys[index, :rows, :, :width].transpose(-1, -2))
+            scores = (scores.float() * attention.scaling).masked_fill(~mask, float("-inf"))
+            weights = torch.softmax(scores, dim=-1).to(query.dtype)
+            out = torch.matmul(weights, ws.values[index, :rows, :, :width])
             hidden = hidden + attention.o_proj(out.reshape(rows, 1, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         self._sample_and_record(ws, rows, self._logits(hidden), nucleus)
