@@ -263,7 +263,9 @@ def measure_model(name, device, dtype, batches, max_tokens, repeats, modes, band
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    parser.add_argument("--models", default="tiny,qwen2-0.5b", help="tiny, qwen2-0.5b")
+    parser.add_argument(
+        "--models", default=None, help="tiny, qwen2-0.5b (default: both on CUDA, tiny on CPU)"
+    )
     parser.add_argument("--batches", default="1,32,256", help="rows per batch, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per row")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure")
@@ -280,7 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    models = args.models.split(",")
+    models = (args.models or ("tiny,qwen2-0.5b" if device.startswith("cuda") else "tiny")).split(
+        ","
+    )
     batches = [int(n) for n in args.batches.split(",")]
     modes = args.modes.split(",")
     card = (
