@@ -8,6 +8,7 @@ test counts what ran (engine requests, forward passes) against a full step's cou
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -226,3 +227,34 @@ def test_sft_stops_between_micro_batches_without_stepping_on_a_partial_batch(
     assert chunks == [1]  # of the step's 4 micro-batches
     assert path.endswith("step_000000") and sink.checkpoints == [(0, path)] and not sink.metrics
     assert all(torch.equal(weights(path)[k], v) for k, v in weights(tiny_model).items())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.worker
+def test_cancelling_an_rl_job_on_the_worker_stops_it_inside_its_first_step(
+    alice, ttt_config, tiny, celery_worker
+):
+    """A default-size step (32 games of up to 6 turns, 128-token replies) on the real
+    worker, cancelled once its rollouts are under way: the job ends cancelled with no
+    step's metrics stored, and its log says the stop came inside step 1."""
+    from tests.web.conftest import create_job_with_listener, wait_for_job
+    from webapp.jobs import services
+    from webapp.jobs.models import Job, LogLine, Metric
+
+    job, listener = create_job_with_listener(
+        owner=alice, kind="rl", env_config=ttt_config, model=tiny,
+        options={"max_steps": 2, "device": "cpu"},
+    )  # fmt: skip
+    listener.collect(until_status=("running",))
+    deadline = time.monotonic() + 120
+    while (
+        time.monotonic() < deadline
+        and not LogLine.objects.filter(job=job, message__startswith="rl: grpo on").exists()
+    ):
+        time.sleep(0.2)
+    time.sleep(2)  # into the rollouts
+    services.job_cancel(job=Job.objects.get(pk=job.pk))
+    job = wait_for_job(job)
+    assert job.status == "cancelled", job.error
+    assert not Metric.objects.filter(job=job).exists()
+    assert LogLine.objects.filter(job=job, message__contains="inside step 1").exists()
