@@ -90,7 +90,9 @@ stop() {
 trap stop INT TERM EXIT
 
 celery_worker=(.venv/bin/celery -A workers worker --loglevel INFO)
+# Training yields the CPU to Play moves and pages: a person waits on those, not on a step.
 supervise "worker jobs" "$RLLAB_VAR_DIR/worker-jobs.log" \
+  nice -n "${JOBS_NICE:-10}" \
   "${celery_worker[@]}" -Q "$queues" --concurrency "$WORKER_CONCURRENCY" --hostname "jobs@%h" &
 supervisors+=($!)
 supervise "worker inference" "$RLLAB_VAR_DIR/worker-inference.log" \

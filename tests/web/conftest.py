@@ -34,7 +34,7 @@ from workers.celery import app as celery_app
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
-TERMINAL = ("succeeded", "failed", "cancelled")
+TERMINAL = tuple(Job.TERMINAL)
 
 
 @pytest.fixture(scope="session", autouse=True)

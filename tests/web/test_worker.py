@@ -113,7 +113,7 @@ def test_cancelling_a_queued_job_is_immediate(alice, ttt_config, oracle):
     assert job.status == "cancelled" and job.finished is not None
 
 
-def test_a_job_whose_worker_process_dies_is_marked_failed(alice, ttt_config, tiny, celery_worker):
+def test_a_job_whose_worker_process_dies_is_marked_lost(alice, ttt_config, tiny, celery_worker):
     job, listener = create_job_with_listener(
         owner=alice, kind="eval", env_config=ttt_config, model=tiny,
         options={"num_examples": 400, "max_tokens": 24, "concurrency": 2, "device": "cpu"},
@@ -127,7 +127,7 @@ def test_a_job_whose_worker_process_dies_is_marked_failed(alice, ttt_config, tin
         os.kill(int(pid), signal.SIGKILL)
     messages = listener.collect()
     job = wait_for_job(job)
-    assert job.status == "failed"
+    assert job.status == "lost"
     assert job.error.startswith("worker lost") and "died" in job.error
     assert LogLine.objects.filter(
         job=job, level="error", message__startswith="worker lost"

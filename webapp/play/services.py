@@ -30,7 +30,10 @@ PLAY_ENV = "tictactoe"
 BUILTIN_PLAYERS = ("oracle", "random")
 # Play is greedy unless the model's own generation defaults say otherwise: a person
 # playing wants the model's best move, not a sample.
-PLAY_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "max_tokens": 256}
+# 96 tokens hold the longest well-formed reply ("<think>Empty: ... Win: ... Block: ...
+# </think><move>N</move>", ~80 characters of the tiny model's tokenizer); a rambling
+# model is cut there rather than keeping a person waiting.
+PLAY_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "max_tokens": 96}
 MAX_ATTEMPTS = 3
 
 
