@@ -89,7 +89,10 @@ stop() {
 }
 trap stop INT TERM EXIT
 
-celery_worker=(.venv/bin/celery -A workers worker --loglevel INFO)
+# Workers use no PostgreSQL connection pool: a prefork worker forks pool processes from a
+# main process that uses the database (watchdog), and a forked child must not inherit its
+# pooled connections. (The pool is for the web server's bursts.)
+celery_worker=(env DB_POOL_MAX_SIZE=0 .venv/bin/celery -A workers worker --loglevel INFO)
 # Training yields the CPU to Play moves and pages: a person waits on those, not on a step.
 supervise "worker jobs" "$RLLAB_VAR_DIR/worker-jobs.log" \
   nice -n "${JOBS_NICE:-10}" \

@@ -96,13 +96,15 @@ def test_a_duplicate_message_runs_the_job_once(alice, ttt_config, tiny, own_redi
     """Both pool processes get the job's message; the second finds it running in the first
     and leaves it alone (before, a worker took its own duplicate for a dead process and
     failed the job while it ran)."""
-    workers.start("dup", concurrency=2)
+    worker = workers.start("dup", concurrency=2)
     job = services.job_create(
         owner=alice, kind="eval", env_config=ttt_config, model=tiny,
-        options={**LONG_EVAL, "num_examples": 16},
+        options={**LONG_EVAL, "num_examples": 8},
     )  # fmt: skip
     wait_until(lambda: Job.objects.get(pk=job.pk).status == "running", 120, "job not running")
     run_job.apply_async(args=[job.pk], queue=job.queue, task_id=job.celery_task_id)
-    job = wait_for_job(job, timeout=240)
+    job = wait_for_job(job, timeout=480)
     assert job.status == "succeeded", job.error
-    assert Rollout.objects.filter(job=job).count() == 16
+    assert Rollout.objects.filter(job=job).count() == 8
+    # The duplicate did arrive while the job ran, and was turned away.
+    assert "not starting it twice" in worker["log"].read_text(), log_tail(worker)
