@@ -14,11 +14,12 @@ Environment variables (all optional):
   MODEL_ROOTS    os.pathsep-separated directories a model path may live under;
                  default RUNS_DIR, RLLAB_VAR_DIR/models, ~/.cache/rlcore/models, ./runs
   WORKER_LOST_SECONDS   a running job whose worker sent no heartbeat for this long is
-                        marked lost (default 60)
+                        marked lost (default 45: with the watchdog's 10 s, a dead worker's
+                        job is lost within 55 s)
   JOB_HEARTBEAT_SECONDS how often a running job's sink writes its heartbeat, even within a
                         long step; default WORKER_LOST_SECONDS / 4, at most 15
   WORKER_WATCHDOG_SECONDS  how often each worker looks for lost jobs and queued jobs whose
-                        broker message is gone (default 15)
+                        broker message is gone (default 10)
   QUEUED_RESEND_SECONDS a queued job this old whose message is not in the broker is sent
                         again (default 30)
 """
@@ -216,11 +217,11 @@ CELERY_WORKER_CONSUMER = "workers.celery:Consumer"
 # Every worker runs a watchdog thread (workers/tasks.py): jobs whose heartbeat is older than
 # WORKER_LOST_SECONDS are marked lost, and queued jobs whose message the broker no longer
 # holds (Redis restarted without persistence) are sent again.
-WORKER_LOST_SECONDS = float(os.environ.get("WORKER_LOST_SECONDS", "60"))
+WORKER_LOST_SECONDS = float(os.environ.get("WORKER_LOST_SECONDS", "45"))
 JOB_HEARTBEAT_SECONDS = float(
     os.environ.get("JOB_HEARTBEAT_SECONDS") or min(15.0, WORKER_LOST_SECONDS / 4)
 )
-WORKER_WATCHDOG_SECONDS = float(os.environ.get("WORKER_WATCHDOG_SECONDS", "15"))
+WORKER_WATCHDOG_SECONDS = float(os.environ.get("WORKER_WATCHDOG_SECONDS", "10"))
 QUEUED_RESEND_SECONDS = float(os.environ.get("QUEUED_RESEND_SECONDS", "30"))
 
 LOGGING = {

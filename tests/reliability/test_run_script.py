@@ -123,9 +123,9 @@ def test_run_sh_restarts_a_dead_worker_keeps_the_web_up_and_stops_on_ctrl_c(
         ]
         assert len(uvicorn) == 1, lab_processes(run.pid, sessions)
 
-        # kill -9 the inference worker's main process: run.sh also kills the pool it leaves.
+        # kill -9 the inference worker's main process: run.sh also kills the pool processes it
+        # leaves (a prefork pool has some; a thread pool, none).
         pool = [p for p, (pp, _) in lab_processes(run.pid, sessions).items() if pp == inference]
-        assert pool
         os.kill(inference, signal.SIGKILL)
         killed = time.monotonic()
         line = wait_for(
