@@ -3,8 +3,9 @@
 # server, and serves the lab on the built-in tiny model.
 #
 # Workers: one for jobs (queues cpu, and gpu when torch sees CUDA; WORKER_CONCURRENCY
-# processes, default 2) and one for Play moves (queue inference; INFERENCE_CONCURRENCY,
-# default 1), so a game never waits behind training. The web server runs WEB_CONCURRENCY
+# processes, default 2, at nice 10) and one for Play moves (queue inference; a thread pool of
+# INFERENCE_CONCURRENCY, default 16, whose moves a local model generates as one batch), so
+# a game never waits behind training. The web server runs WEB_CONCURRENCY
 # uvicorn processes (default: the number of cores, between 2 and 4); websockets work across
 # them through the Redis channel layer.
 #
@@ -23,7 +24,7 @@ PORT=${PORT:-8000}
 cores=$(nproc 2>/dev/null || echo 2)
 WEB_CONCURRENCY=${WEB_CONCURRENCY:-$((cores < 2 ? 2 : (cores > 4 ? 4 : cores)))}
 WORKER_CONCURRENCY=${WORKER_CONCURRENCY:-2}
-INFERENCE_CONCURRENCY=${INFERENCE_CONCURRENCY:-1}
+INFERENCE_CONCURRENCY=${INFERENCE_CONCURRENCY:-16}
 mkdir -p "$RLLAB_VAR_DIR"
 
 ensure_redis "$REDIS_URL"
@@ -99,10 +100,11 @@ supervise "worker jobs" "$RLLAB_VAR_DIR/worker-jobs.log" \
   "${celery_worker[@]}" -Q "$queues" --concurrency "$WORKER_CONCURRENCY" --hostname "jobs@%h" &
 supervisors+=($!)
 supervise "worker inference" "$RLLAB_VAR_DIR/worker-inference.log" \
-  "${celery_worker[@]}" -Q inference --concurrency "$INFERENCE_CONCURRENCY" --hostname "inference@%h" &
+  "${celery_worker[@]}" -Q inference -P threads --concurrency "$INFERENCE_CONCURRENCY" \
+  --hostname "inference@%h" &
 supervisors+=($!)
 supervise "web server" "$RLLAB_VAR_DIR/web.log" \
-  .venv/bin/uvicorn webapp.asgi:application --host "$HOST" --port "$PORT" --workers "$WEB_CONCURRENCY" &
+  env DB_POOL_MAX_SIZE="${DB_POOL_MAX_SIZE:-8}" .venv/bin/uvicorn webapp.asgi:application --host "$HOST" --port "$PORT" --workers "$WEB_CONCURRENCY" &
 supervisors+=($!)
 echo "celery workers: jobs on $queues x$WORKER_CONCURRENCY, Play moves on inference x$INFERENCE_CONCURRENCY (logs: $RLLAB_VAR_DIR/worker-*.log)"
 echo "web server: $WEB_CONCURRENCY processes (log: $RLLAB_VAR_DIR/web.log)"

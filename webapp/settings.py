@@ -6,7 +6,9 @@ Environment variables (all optional):
   ALLOWED_HOSTS  comma-separated host names; default localhost,127.0.0.1,[::1]
   DATABASE_URL   e.g. postgres://postgres@127.0.0.1:5432/rllab; default sqlite
                  RLLAB_VAR_DIR/db.sqlite3
-  DB_POOL_MAX_SIZE  PostgreSQL connections pooled per process (default 8; 0: no pool)
+  DB_POOL_MAX_SIZE  PostgreSQL connections pooled per web process (default 0: no pool;
+                 make run sets 8 for the web server; never for Celery workers, whose forked
+                 pool processes must not inherit pooled connections)
   REDIS_URL      Celery broker + result backend and the Channels layer;
                  default redis://127.0.0.1:6379/0
   RLLAB_VAR_DIR  where the lab keeps its files; default ./var
@@ -138,13 +140,13 @@ DATABASES = {
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     VAR_DIR.mkdir(parents=True, exist_ok=True)
-elif int(os.environ.get("DB_POOL_MAX_SIZE", "8")) > 0:
+elif int(os.environ.get("DB_POOL_MAX_SIZE", "0")) > 0:
     # Each request in flight runs in a thread of its own; without a pool each opens a
     # PostgreSQL connection, and a burst of 200 requests runs past the server's 100
     # (docs/BENCHMARKS.md, "Load"). A small pool per process serves them in turn.
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
-        "max_size": int(os.environ.get("DB_POOL_MAX_SIZE", "8")),
+        "max_size": int(os.environ.get("DB_POOL_MAX_SIZE", "0")),
         "timeout": 30,
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

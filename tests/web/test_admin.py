@@ -82,17 +82,17 @@ def test_rollouts_are_read_only_in_the_admin(admin_client, alice_eval):
     assert admin_client.get("/admin/jobs/rollout/add/").status_code == 403
 
 
-def test_a_running_job_whose_worker_is_gone_is_failed_when_its_page_loads(
+def test_a_running_job_whose_worker_is_gone_is_lost_when_its_page_loads(
     alice_client, alice_eval, settings
 ):
-    stale = timezone.now() - timedelta(seconds=settings.WORKER_STALE_SECONDS + 5)
+    stale = timezone.now() - timedelta(seconds=settings.WORKER_LOST_SECONDS + 5)
     Job.objects.filter(pk=alice_eval.pk).update(
         status="running", worker="ghost@nowhere", heartbeat=stale
     )
     html = alice_client.get(f"/jobs/{alice_eval.pk}/").content.decode()
     alice_eval.refresh_from_db()
-    assert alice_eval.status == "failed" and "ghost@nowhere stopped answering" in alice_eval.error
-    assert 'data-status="failed"' in html
+    assert alice_eval.status == "lost" and "ghost@nowhere stopped answering" in alice_eval.error
+    assert 'data-status="lost"' in html
 
 
 def test_a_running_job_with_a_fresh_heartbeat_is_left_alone(alice_client, alice_eval):

@@ -8,6 +8,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.db import connection
 from django.test import Client
 
 from rlcore.envs.tictactoe_play import PlaySession
@@ -379,3 +380,46 @@ def test_the_history_counts_outcomes_from_the_models_view(alice, alice_client, o
     assert sorted(listed) == sorted(g.pk for g in games)
     body = response.content.decode()
     assert all(f'href="/play/games/{g.pk}/"' in body for g in games)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_moves_of_games_played_at_once_are_generated_together(alice, default_tiny_model):
+    """The inference worker runs its tasks in threads on one event loop, so a local
+    model gets the moves of concurrent games in one batch; one after another, each move
+    is a batch of its own (the control)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers import play_tasks
+
+    def games(count: int) -> list[int]:
+        ids = []
+        for index in range(count):
+            game = Game(owner=alice, player="tiny", player_name="tiny",
+                        policy={"kind": "tiny", "model": default_tiny_model},
+                        sampling=services.PLAY_SAMPLING | {"max_tokens": 8},
+                        model_mark="X", model_starts=True)  # fmt: skip
+            services._state_from(game, PlaySession.new("X", True, seed=index))
+            game.save()
+            ids.append(game.pk)
+        return ids
+
+    engine = play_tasks.policy_for({"kind": "tiny", "model": default_tiny_model})
+    batches, served = engine.batches_run, engine.requests_served
+    for game_id in games(4):
+        play_model_move(game_id)
+    alone = (engine.batches_run - batches, engine.requests_served - served)
+    assert alone[0] == alone[1] >= 4  # one batch per reply
+
+    batches, served = engine.batches_run, engine.requests_served
+
+    def task(game_id: int) -> str:  # as Celery runs it: the thread's connection closed after
+        try:
+            return play_model_move(game_id)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(task, games(8)))
+    assert all(outcome in ("human_turn", "finished") for outcome in outcomes), outcomes
+    together = (engine.batches_run - batches, engine.requests_served - served)
+    assert together[1] >= 8 and together[0] < together[1] / 2, together
