@@ -19,6 +19,9 @@ source scripts/services.sh
 
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 export RLLAB_VAR_DIR=${RLLAB_VAR_DIR:-$PWD/var}
+# Everything the lab writes lives under RLLAB_VAR_DIR, the built-in tiny model included,
+# unless RLCORE_HOME says where rlcore keeps its models.
+export RLCORE_HOME=${RLCORE_HOME:-$RLLAB_VAR_DIR/rlcore}
 HOST=${HOST:-127.0.0.1}
 PORT=${PORT:-8000}
 cores=$(nproc 2>/dev/null || echo 2)
