@@ -1,5 +1,7 @@
 """Fixtures every test may use: one torch thread, and the built-in tiny model built once
-per test session (small enough to train a few steps in seconds on a CPU)."""
+per test session (small enough to train a few steps in seconds on a CPU); and, from
+tests/lab_fixtures.py, the lab's (users alice and bob, PostgreSQL, the test Redis, one real
+Celery worker for the whole session)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ import pytest
 import torch
 
 from rlcore.policy.tiny import ensure_tiny_model
+
+# Loaded once for the whole session: session fixtures (the Celery worker above all) must
+# exist once, not once per folder that uses them.
+pytest_plugins = ["tests.lab_fixtures"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,8 +17,7 @@ import redis
 from django.conf import settings
 from django.test import override_settings
 
-from tests.web.conftest import *  # noqa: F401,F403
-from tests.web.conftest import REPO, _database_url
+from tests.lab_fixtures import REPO, _database_url
 from workers.celery import app as celery_app
 
 # Short enough for a test, long enough that a busy 2-core machine still heartbeats in time.

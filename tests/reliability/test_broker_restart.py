@@ -6,8 +6,8 @@ import time
 import pytest
 import redis
 
+from tests.lab_fixtures import wait_for_job
 from tests.reliability.conftest import FAST_WATCHDOG_ENV, log_tail
-from tests.web.conftest import wait_for_job
 from webapp.jobs import services
 from webapp.jobs.models import Job, LogLine, Rollout
 from workers.tasks import run_job

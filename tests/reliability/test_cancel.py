@@ -237,7 +237,7 @@ def test_cancelling_an_rl_job_on_the_worker_stops_it_inside_its_first_step(
     """A default-size step (32 games of up to 6 turns, 128-token replies) on the real
     worker, cancelled once its rollouts are under way: the job ends cancelled with no
     step's metrics stored, and its log says the stop came inside step 1."""
-    from tests.web.conftest import create_job_with_listener, wait_for_job
+    from tests.lab_fixtures import create_job_with_listener, wait_for_job
     from webapp.jobs import services
     from webapp.jobs.models import Job, LogLine, Metric
 

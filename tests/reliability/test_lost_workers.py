@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from tests.lab_fixtures import create_job_with_listener, wait_for_job
 from tests.reliability.conftest import FAST_WATCHDOG_ENV
-from tests.web.conftest import create_job_with_listener, wait_for_job
 from webapp.jobs.models import Job, LogLine, Rollout
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.worker]

@@ -4,7 +4,7 @@ a retry resumes only from the current attempt's last checkpoint."""
 
 import pytest
 
-from tests.web.conftest import wait_for_job
+from tests.lab_fixtures import wait_for_job
 from webapp.jobs import services
 from webapp.jobs.models import Checkpoint, Job, ModelEntry
 
@@ -56,5 +56,4 @@ def test_a_requeued_rl_job_writes_and_resumes_from_its_own_attempt(
 
     retried = services.job_retry(job=job)
     newest = min(current, key=lambda c: (-c.step, c.pk))
-    assert "step_" in newest.path
     assert retried.config["resume_from"] == newest.path

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 import redis
 
+from tests.lab_fixtures import REPO, _database_url
 from tests.reliability.conftest import free_port
-from tests.web.conftest import REPO, _database_url
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.worker]
 

@@ -15,8 +15,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.web.conftest import *  # noqa: F401,F403
-
 # A server secret a hostile user would love to exfiltrate, and a key staff declared.
 SERVER_SECRET_VAR = "RLLAB_TEST_SERVER_SECRET"
 SERVER_SECRET = "server-secret-0a1b2c3d"

@@ -4,8 +4,8 @@ real worker, and a listener on loopback tells what actually arrived."""
 
 import pytest
 
+from tests.lab_fixtures import wait_for_job
 from tests.security.conftest import DECLARED_KEY, SERVER_SECRET, SERVER_SECRET_VAR
-from tests.web.conftest import wait_for_job
 from webapp.jobs import services
 from webapp.jobs.models import ApiKey, Job, ModelEntry
 from webapp.play.models import Game

@@ -7,7 +7,7 @@ fails the test where it happens."""
 
 import pytest
 
-from tests.web.conftest import job_form_data
+from tests.lab_fixtures import job_form_data
 from webapp.jobs.models import Job
 
 pytestmark = pytest.mark.django_db

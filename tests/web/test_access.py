@@ -58,7 +58,7 @@ def test_bob_cannot_edit_alices_env_config_or_delete_her_models(bob_client, alic
 
 
 def test_staff_see_everyones_jobs(carol, alice_eval):
-    from tests.web.conftest import client_for
+    from tests.lab_fixtures import client_for
 
     client = client_for(carol)
     assert client.get(f"/jobs/{alice_eval.pk}/").status_code == 200

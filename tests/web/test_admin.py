@@ -8,7 +8,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.utils import timezone
 
-from tests.web.conftest import client_for
+from tests.lab_fixtures import client_for
 from webapp.jobs.models import Checkpoint, Job, Metric
 
 pytestmark = pytest.mark.django_db

@@ -8,7 +8,7 @@ from channels.testing import WebsocketCommunicator
 from channels_redis.core import RedisChannelLayer
 from django.test import Client
 
-from tests.web.conftest import refused
+from tests.lab_fixtures import refused
 from webapp.asgi import application
 from webapp.jobs.live import job_group
 from webapp.jobs.models import Job

@@ -5,7 +5,7 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from rlcore.train.config import BOUNDS, RLConfig, config_schema
-from tests.web.conftest import job_form_data
+from tests.lab_fixtures import job_form_data
 from webapp.jobs import services
 from webapp.jobs.forms import NOT_IN_FORM, EnvConfigForm, JobForm
 from webapp.jobs.models import ApiKey, EnvironmentConfig, Job, ModelEntry

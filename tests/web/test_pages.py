@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from django.contrib.staticfiles import finders
 
-from tests.web.conftest import job_form_data
+from tests.lab_fixtures import job_form_data
 from webapp.jobs.models import EnvironmentConfig, Job, ModelEntry, Rollout
 
 pytestmark = pytest.mark.django_db

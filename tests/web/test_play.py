@@ -12,7 +12,7 @@ from django.db import connection
 from django.test import Client
 
 from rlcore.envs.tictactoe_play import PlaySession
-from tests.web.conftest import refused
+from tests.lab_fixtures import refused
 from webapp.asgi import application
 from webapp.jobs import services as job_services
 from webapp.play import services

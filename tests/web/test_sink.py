@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import async_to_sync
 
 from rlcore.types import Rollout as CoreRollout
-from tests.web.conftest import GroupListener
+from tests.lab_fixtures import GroupListener
 from webapp.jobs.models import Job, LogLine, Metric, ModelEntry, Rollout
 from workers.sink import DatabaseSink
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.web.conftest import create_job_with_listener, wait_for_job
+from tests.lab_fixtures import create_job_with_listener, wait_for_job
 from webapp.jobs import services
 from webapp.jobs.models import Checkpoint, Job, LogLine, Metric, ModelEntry, Rollout
 

@@ -32,7 +32,7 @@ from webapp.jobs.live import job_group
 from webapp.jobs.models import Job
 from workers.celery import app as celery_app
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
 TERMINAL = tuple(Job.TERMINAL)
 
