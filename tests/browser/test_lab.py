@@ -111,7 +111,7 @@ def test_an_eval_job_streams_its_curves_until_it_succeeds(page: Page, lab, stack
 
     # Sample the page while the job runs: the plotted points must grow while the status
     # still says running (the page reloads itself once the job is over).
-    samples, shot_taken = [], False
+    samples, shot_taken, durations = [], False, set()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -120,6 +120,8 @@ def test_an_eval_job_streams_its_curves_until_it_succeeds(page: Page, lab, stack
         except Exception:  # the page is reloading
             continue
         samples.append((status, points))
+        if status == "running":
+            durations.add(page.locator("#job-duration").inner_text())
         running = sorted({p for s, p in samples if s == "running" and p > 0})
         if len(running) >= 2 and not shot_taken and status == "running":
             screenshot(page, "job_live.png")
@@ -129,6 +131,7 @@ def test_an_eval_job_streams_its_curves_until_it_succeeds(page: Page, lab, stack
         time.sleep(0.1)
     running = [p for s, p in samples if s == "running" and p > 0]
     assert len(set(running)) >= 2 and running == sorted(running), (samples, stack.logs())
+    assert len(durations) >= 2, durations  # the duration ticks while the job runs
     assert samples[-1][0] == "succeeded", (samples[-5:], heard[-30:], stack.logs())
     expect(page.locator("#summary-rewards")).to_be_visible(timeout=20_000)
     expect(page.locator("#summary-outcomes tr[data-outcome]").first).to_be_visible()
