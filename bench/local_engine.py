@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import sys
@@ -36,13 +35,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from benchlib import write_results  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config  # noqa: E402
 
 from rlcore.policy.local import LocalEngine  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 from rlcore.types import SamplingParams  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 QWEN2_05B = {
     "hidden_size": 896,
     "intermediate_size": 4864,
@@ -350,11 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
         "greedy_checks": checks,
         "rows": rows,
     }
-    out = Path(args.out) if args.out else RESULTS / f"local_engine_{device.split(':')[0]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
-    return results
+    return write_results(results, args.out, f"local_engine_{device.split(':')[0]}.json")
 
 
 if __name__ == "__main__":

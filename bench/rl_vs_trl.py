@@ -16,7 +16,6 @@ both, fp32 on CPU. Writes bench/results/rl_vs_trl_<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from benchlib import write_results  # noqa: E402
 
 from rlcore.envs.registry import load_environment  # noqa: E402
 from rlcore.envs.reverse_text import lcs_ratio, parse_reversal  # noqa: E402
@@ -35,7 +35,6 @@ from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 from rlcore.train.config import RLConfig, load_config  # noqa: E402
 from rlcore.train.grpo import run_rl  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 48, 1e-4
 
 
@@ -194,11 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         "trl_grpo_trainer": trl,
         "speedup": trl["step"] / ours["step"],
     }
-    out = Path(args.out) if args.out else RESULTS / f"rl_vs_trl_{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
-    return results
+    return write_results(results, args.out, f"rl_vs_trl_{device}.json")
 
 
 if __name__ == "__main__":

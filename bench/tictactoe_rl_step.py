@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from benchlib import write_results  # noqa: E402
 
 from rlcore.envs.registry import load_environment  # noqa: E402
 from rlcore.policy.local import LocalEngine  # noqa: E402
@@ -53,7 +53,6 @@ from rlcore.train.sampling import StratifiedSampler  # noqa: E402
 from rlcore.train.sequences import training_sequences  # noqa: E402
 from rlcore.types import SamplingParams  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ENV_ARGS = (
     '{"min_random_move_prob": 0.0, "max_random_move_prob": 1.0, "num_groups": 4, '
     '"max_turns": 6, "opening_moves": 2}'
@@ -253,11 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": details,
         "profile": profile_table,
     }
-    out = Path(args.out) if args.out else RESULTS / f"tictactoe_rl_step_{device.split(':')[0]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
-    return results
+    return write_results(results, args.out, f"tictactoe_rl_step_{device.split(':')[0]}.json")
 
 
 if __name__ == "__main__":

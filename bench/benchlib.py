@@ -1,0 +1,17 @@
+"""What the GPU-speed benchmarks share: writing their results as JSON where they say."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_results(results: dict, out: str | None, default_name: str) -> dict:
+    """`results` as JSON at `out` (default bench/results/`default_name`); says where."""
+    path = Path(out) if out else RESULTS / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+    return results
