@@ -3,6 +3,7 @@ the files an eval writes, baselines, and the tic-tac-toe numbers a sound env mus
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -23,7 +24,7 @@ from rlcore.evaluate import (
 )
 from rlcore.events import RecordingSink
 from rlcore.parsers import XMLParser
-from rlcore.policy import ConstantPolicy, Policy
+from rlcore.policy import ConstantPolicy, Policy, load_policy
 from rlcore.rubric import Rubric
 from rlcore.types import Example, Generation, Rollout, jsonl_line
 
@@ -338,6 +339,42 @@ def test_run_eval_reports_live_and_writes_results_and_metadata(parity, tmp_path)
     assert metadata["summary"]["num_rollouts"] == 60
     assert metadata["started_at"] <= metadata["finished_at"]
     assert metadata["rlcore_version"]
+
+
+class _ProgressWitness(RecordingSink):
+    """At each progress call, how many rollouts the sink had been handed and how many
+    batches the engine had generated."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.seen: list[tuple[int, int, int]] = []
+
+    def progress(self, done: int, total: int, desc: str = "") -> None:
+        super().progress(done, total, desc)
+        handed = sum(len(batch) for _, batch in self.rollout_batches)
+        self.seen.append((done, handed, self.engine.batches_run))
+
+
+def test_progress_counts_each_rollout_as_it_finishes_while_the_engine_batches(tiny_model):
+    engine = load_policy(tiny_model, device="cpu")
+    cfg = EvalConfig(env="tictactoe", model="tiny", num_examples=24, concurrency=8,
+                     max_tokens=16, env_args={"max_turns": 3})  # fmt: skip
+    sink = _ProgressWitness(engine)
+    try:
+        run_eval(cfg, sink, policy=engine)
+    finally:
+        asyncio.run(engine.aclose())
+    # The engine answered several games' turns in each generation...
+    assert engine.requests_served >= 2 * engine.batches_run
+    # ...yet the bar moved one finished rollout at a time, not a batch at a time,
+    assert [done for done, _, _ in sink.seen] == list(range(25))
+    # each count sent with the rollout that finished (the sink already had it),
+    assert all(handed == done for done, handed, _ in sink.seen)
+    # and while the engine was still generating, not all at the end.
+    first_finished_at = sink.seen[1][2]
+    assert first_finished_at < engine.batches_run
+    assert len({batches for done, _, batches in sink.seen if done}) >= 3
 
 
 def test_run_eval_fills_env_defaults_into_metadata_and_leaves_a_given_policy_open(parity, tmp_path):

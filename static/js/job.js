@@ -59,9 +59,15 @@
     return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
   }
 
-  /* The rate is measured over the last minute of progress and smoothed, so the ETA moves
-   * steadily instead of swinging with every batch that lands. */
+  /* The rate is measured over the last minute of progress and smoothed over time (a time
+   * constant of RATE_SMOOTHING_SECONDS, not a share per message), so the ETA moves steadily:
+   * a batch of rollouts that lands in several messages at once moves it once, a little. A
+   * new phase of the job (another description, as an eval's baselines, or a count that
+   * starts again) measures its rate afresh instead of waiting for the old one to age out. */
+  const RATE_SMOOTHING_SECONDS = 10;
   let smoothedRate = null;
+  let rateUpdated = null;
+  let phase = null;
   function setProgress({ done, total, desc }) {
     const bar = $("progress");
     bar.value = total ? Math.min(1, done / total) : 0;
@@ -69,6 +75,13 @@
     bar.dataset.total = total;
     $("progress-text").textContent = `${desc || ""} ${done}/${total}`.trim();
     const now = Date.now() / 1000;
+    const last = progressSamples[progressSamples.length - 1];
+    if (desc !== phase || (last && done < last[1])) {
+      phase = desc;
+      progressSamples.length = 0;
+      smoothedRate = null;
+      $("progress-rate").textContent = "";
+    }
     progressSamples.push([now, done]);
     while (progressSamples.length > 2 && now - progressSamples[0][0] > 60) progressSamples.shift();
     const [t0, d0] = progressSamples[0];
@@ -76,7 +89,9 @@
       $("progress-rate").textContent = "";
     } else if (now - t0 > 0.5 && done > d0) {
       const rate = (done - d0) / (now - t0);
-      smoothedRate = smoothedRate === null ? rate : 0.7 * smoothedRate + 0.3 * rate;
+      const weight = smoothedRate === null ? 1 : 1 - Math.exp(-(now - rateUpdated) / RATE_SMOOTHING_SECONDS);
+      smoothedRate = smoothedRate === null ? rate : smoothedRate + weight * (rate - smoothedRate);
+      rateUpdated = now;
       $("progress-rate").textContent = `${smoothedRate.toFixed(2)}/s · ETA ${formatSeconds((total - done) / smoothedRate)}`;
     }
   }

@@ -67,6 +67,15 @@ class Stack:
     database_url: str
     worker_log: Path
     server_log: Path
+    env: dict
+
+    def django(self, code: str) -> str:
+        """What `code` prints, run by `manage.py shell` against the lab's database."""
+        done = subprocess.run([str(BIN / "python"), "manage.py", "shell", "-c", code], cwd=REPO,
+                              env=self.env, capture_output=True, text=True)  # fmt: skip
+        if done.returncode:
+            pytest.fail(f"manage.py shell failed:\n{done.stderr[-3000:]}")
+        return done.stdout
 
     def sql(self, query: str, *params) -> list[tuple]:
         """Rows of a read-only query on the lab's database (what the worker wrote)."""
@@ -155,7 +164,7 @@ def stack(tmp_path_factory) -> Stack:
              "--without-mingle", "-l", "INFO"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
-    stack = Stack(f"http://127.0.0.1:{port}", database_url, worker_log, server_log)
+    stack = Stack(f"http://127.0.0.1:{port}", database_url, worker_log, server_log, env)
     try:
         deadline = time.monotonic() + 90
         while not (
