@@ -1,13 +1,16 @@
 """The static decoder (a preallocated KV cache, the decode step a CUDA graph on a GPU) run
-eagerly on the CPU: the same greedy replies and logprobs as the engine's dynamic loop, its
-bucket choices, finished rows masked then compacted, rounds split by memory, seeds."""
+eagerly on the CPU: the same greedy replies and logprobs as the engine's dynamic loop, sampled
+tokens distributed as the model says (checked token by token against a plain forward pass),
+uniforms independent across tokens and rows, its bucket choices, finished rows masked then
+compacted, rounds split by memory, seeds."""
 
 import asyncio
+import math
 
 import pytest
 import torch
 
-from rlcore.policy import PolicyError
+from rlcore.policy import PolicyError, static_decode
 from rlcore.policy.local import LocalEngine
 from rlcore.policy.static_decode import (
     CHECK_EVERY,
@@ -78,6 +81,69 @@ def test_sampled_logprobs_match_a_separate_forward_pass(engines, temperature, to
             static.model, generation.prompt_ids, generation.completion_ids, temperature
         )
         assert generation.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def transformed_draws(model, generations, temperature, top_p, seed=0) -> torch.Tensor:
+    """The randomized probability integral transform of every sampled token: with F the
+    model's sampling distribution at that step (temperature, nucleus, tokens in id order),
+    F(token - 1) + V * p(token) with V uniform. Exactly uniform on [0, 1) when every token
+    was drawn from F, whatever came before it; a biased or stale sampler skews it."""
+    width = max(len(g.prompt_ids) + len(g.completion_ids) for g in generations)
+    ids = torch.tensor(
+        [g.prompt_ids + g.completion_ids + [0] * (width - len(g.prompt_ids) - len(g.completion_ids))
+         for g in generations]
+    )  # fmt: skip
+    with torch.no_grad():
+        probabilities = torch.softmax(model(input_ids=ids).logits.float() / temperature, dim=-1)
+    if top_p < 1:
+        ordered, order = probabilities.sort(dim=-1, descending=True)
+        ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0.0)
+        probabilities = torch.zeros_like(probabilities).scatter(-1, order, ordered)
+        probabilities /= probabilities.sum(-1, keepdim=True)
+    below = probabilities.cumsum(-1) - probabilities
+    jitter = torch.Generator().manual_seed(seed)
+    draws = []
+    for row, generation in enumerate(generations):
+        steps = torch.arange(len(generation.completion_ids)) + len(generation.prompt_ids) - 1
+        tokens = torch.tensor(generation.completion_ids)
+        chosen = probabilities[row, steps, tokens]
+        draws.append(below[row, steps, tokens] + torch.rand(len(tokens), generator=jitter) * chosen)
+    return torch.cat(draws)
+
+
+def kolmogorov_distance(draws: torch.Tensor) -> float:
+    """Largest gap between the draws' empirical CDF and the uniform one."""
+    ordered, count = draws.sort().values, len(draws)
+    above = torch.arange(1, count + 1) / count - ordered
+    below = ordered - torch.arange(count) / count
+    return max(above.max().item(), below.max().item())
+
+
+@pytest.mark.parametrize("decode", ["static", "dynamic"])
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.8)])
+def test_sampled_tokens_follow_the_models_distribution(engines, decode, temperature, top_p):
+    dynamic, static = engines
+    engine = static if decode == "static" else dynamic
+    torch.manual_seed(0)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=24)
+    generations = generate_all(engine, [sampling] * 64)
+    draws = transformed_draws(engine.model, generations, temperature, top_p)
+    assert len(draws) > 1000
+    # The Kolmogorov-Smirnov bound at the 1 % level.
+    assert kolmogorov_distance(draws) < 1.63 / math.sqrt(len(draws))
+
+
+def test_the_distribution_check_catches_a_skewed_sampler(engines, monkeypatch):
+    """The check above has teeth: uniforms bent towards 0 (low token ids) fail it."""
+    _, static = engines
+    unbent = static_decode.counter_uniforms
+    monkeypatch.setattr(
+        static_decode, "counter_uniforms", lambda seeds, counter: unbent(seeds, counter) ** 1.2
+    )
+    torch.manual_seed(0)
+    generations = generate_all(static, [SamplingParams(temperature=0.7, max_tokens=24)] * 64)
+    draws = transformed_draws(static.model, generations, 0.7, 1.0)
+    assert kolmogorov_distance(draws) > 1.63 / math.sqrt(len(draws))
 
 
 def test_finished_rows_are_masked_then_compacted_without_disturbing_the_rest(engines):
@@ -165,6 +231,26 @@ def test_counter_uniforms_depend_on_seed_and_counter_only():
     assert draws.min() >= 0 and draws.max() < 1
     assert abs(draws.mean().item() - 0.5) < 0.02
     assert abs((draws < 0.1).float().mean().item() - 0.1) < 0.02
+
+
+def pair_chi_square(first: torch.Tensor, second: torch.Tensor, cells: int = 16) -> float:
+    """Pearson's chi-square of the pairs (first, second) on a cells x cells grid of the unit
+    square: cells**2 - 1 degrees of freedom when the pairs are independent uniforms."""
+    index = (first * cells).long() * cells + (second * cells).long()
+    counts = torch.bincount(index, minlength=cells * cells).float()
+    expected = len(first) / cells**2
+    return ((counts - expected) ** 2 / expected).sum().item()
+
+
+def test_counter_uniforms_are_independent_across_tokens_and_rows():
+    torch.manual_seed(0)
+    seeds = torch.randint(0, 2**62, (200_000,))  # as the decoder draws them
+    token, next_token = (counter_uniforms(seeds, torch.tensor([t])) for t in (7, 8))
+    # 255 degrees of freedom: 330 is the 99.9 % quantile.
+    assert pair_chi_square(token, next_token) < 330
+    assert pair_chi_square(token[0::2], token[1::2]) < 330
+    assert abs(torch.corrcoef(torch.stack([token, next_token]))[0, 1].item()) < 0.01
+    assert pair_chi_square(token, token**2 % 1) > 330  # a dependent pair is caught
 
 
 def test_other_architectures_keep_the_dynamic_loop():
