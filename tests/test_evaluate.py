@@ -377,6 +377,50 @@ def test_progress_counts_each_rollout_as_it_finishes_while_the_engine_batches(ti
     assert len({batches for done, _, batches in sink.seen if done}) >= 3
 
 
+class _InOrder(RecordingSink):
+    """Progress counts and log lines in the one order they came."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, object]] = []
+
+    def progress(self, done: int, total: int, desc: str = "") -> None:
+        super().progress(done, total, desc)
+        self.events.append(("progress", done))
+
+    def log(self, message: str, level: str = "info") -> None:
+        super().log(message, level)
+        self.events.append((level, message))
+
+
+def test_a_game_that_outgrows_a_local_models_context_ends_truncated_and_warns_at_once(
+    tiny_model,
+):
+    engine = load_policy(tiny_model, device="cpu")
+    engine.context_length = 260  # a few turns of tic-tac-toe, then no room
+    cfg = EvalConfig(env="tictactoe", model="tiny", num_examples=6, concurrency=2,
+                     max_tokens=8, env_args={"max_turns": 9})  # fmt: skip
+    sink = _InOrder()
+    try:
+        result = run_eval(cfg, sink, policy=engine)
+    finally:
+        asyncio.run(engine.aclose())
+    # Every game is played and scored; the ones that outgrew the context end truncated.
+    assert len(result.rollouts) == 6 and all(r.error is None for r in result.rollouts)
+    outgrown = [r for r in result.rollouts if r.state.get("context_exceeded")]
+    assert outgrown and all(r.truncated and r.outcome for r in outgrown)
+    assert "context of 260" in outgrown[0].state["context_exceeded"]
+    # Refused before generation: the engine generated only the replies the games hold.
+    replies = sum(m["role"] == "assistant" for r in result.rollouts for m in r.messages)
+    assert engine.requests_served == replies
+    # Said once, as soon as it happened: before the count of the game that outgrew it.
+    warnings = [i for i, (kind, _) in enumerate(sink.events) if kind == "warning"]
+    assert len(warnings) == 1 and "outgrew the model's context" in sink.events[warnings[0]][1]
+    counts = [(i, done) for i, (kind, done) in enumerate(sink.events) if kind == "progress"]
+    finished_before = max(done for i, done in counts if i < warnings[0])
+    assert min(done for i, done in counts if i > warnings[0]) == finished_before + 1
+
+
 def test_run_eval_fills_env_defaults_into_metadata_and_leaves_a_given_policy_open(parity, tmp_path):
     policy = ParityOracle()
     cfg = EvalConfig(env="parity", model="mine", num_examples=5, out_dir=str(tmp_path))
