@@ -41,8 +41,17 @@ def test_an_environment_config_is_saved_after_a_bad_value_is_refused(page: Page,
     expect(page.locator("#env-tictactoe")).to_be_visible()
     screenshot(page, "environments.png")
     page.click("[data-testid=new-config-tictactoe]")
+    # The preview follows the form before anything is saved.
+    preview = page.locator("#preview-body")
+    expect(page.locator("#preview-of")).to_have_text("(defaults)")
+    page.select_option("#id_param_model_mark", "O")
+    expect(page.locator("#preview-of")).to_have_text("(this form)")
+    expect(preview).to_contain_text("as O.")
+    expect(preview).not_to_contain_text("as X.")
+    page.select_option("#id_param_model_mark", "random")
     page.fill("#id_name", CONFIG_NAME)
     page.fill("#id_param_max_turns", "99")  # the schema allows 1-30
+    expect(preview.locator("#preview-error")).to_contain_text("max_turns")
     page.fill("#id_param_min_random_move_prob", "0.2")
     page.fill("#id_param_max_random_move_prob", "0.8")
     page.click("#save-config")
@@ -81,6 +90,7 @@ def test_models_are_registered_through_the_form(page: Page, lab):
     oracle_row = rows.filter(has_text="oracle").first
     lab["oracle_id"] = int(oracle_row.get_attribute("data-model-id"))
     lab["random_id"] = int(rows.filter(has_text="random").first.get_attribute("data-model-id"))
+    lab["tiny_id"] = int(rows.filter(has_text="tiny").first.get_attribute("data-model-id"))
     screenshot(page, "models.png")
 
 
@@ -146,6 +156,54 @@ def test_an_eval_job_streams_its_curves_until_it_succeeds(page: Page, lab, stack
     assert rollouts == EVAL_EXAMPLES
     if not shot_taken:
         screenshot(page, "job_live.png")
+
+
+RL_STEPS = 3
+# Steps plotted on a panel of the RL job.
+PANEL_STEPS_JS = """(panel) => {
+  const div = document.querySelector(`#metric-charts .chart[data-panel="${panel}"]`);
+  return div && div.data && div.data.length ? div.data[0].x.length : 0;
+}"""
+
+
+def test_an_rl_job_of_the_tiny_model_draws_each_step_and_keeps_its_checkpoint(
+    page: Page, lab, stack
+):
+    config_id, tiny_id = need(lab, "config_id"), need(lab, "tiny_id")
+    page.goto("/jobs/new/?kind=rl")
+    page.select_option("#id_env_config", str(config_id))
+    page.select_option("#id_model", str(tiny_id))
+    page.locator("#all-settings > summary").click()
+    for field, value in (("max_steps", RL_STEPS), ("batch_size", 8), ("rollouts_per_example", 4),
+                         ("micro_batch_size", 8), ("sampling__max_tokens", 24)):  # fmt: skip
+        page.fill(f"#id_{field}", str(value))
+    page.select_option("#id_device", "cpu")
+    # Letters typed into a number field reach the server blank: an error, not the default.
+    page.fill("#id_max_steps", "")
+    page.locator("#id_max_steps").press_sequentially("ten")
+    page.click("#submit-job")
+    expect(page.locator("[data-testid=error-max_steps]")).to_be_visible()
+    assert "/jobs/new/" in page.url, page.url  # no job was queued
+    page.fill("#id_max_steps", str(RL_STEPS))
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"/jobs/\d+/$"))
+    job_id = int(re.search(r"/jobs/(\d+)/", page.url).group(1))
+    # The page reloads itself once the job is over.
+    expect(page.locator("#job-status")).to_have_attribute(
+        "data-status", re.compile("succeeded|failed|cancelled|lost"), timeout=240_000
+    )
+    status = page.locator("#job-status").get_attribute("data-status")
+    assert status == "succeeded", (page.locator("#job-error").inner_text(), stack.logs())
+    for panel in ("reward/mean", "loss", "perf/step_seconds"):  # loss/* share a panel
+        page.wait_for_function(f"({PANEL_STEPS_JS})('{panel}') === {RL_STEPS}")
+    expect(page.locator("#progress-text")).to_have_text(f"rl {RL_STEPS}/{RL_STEPS}")
+    expect(page.locator("#log-tail")).to_contain_text("rl: grpo on tictactoe, 2 examples x 4")
+    expect(page.locator("#log-tail")).to_contain_text("rl: final checkpoint")
+    expect(page.locator("#checkpoints li").last).to_contain_text("final")
+    expect(page.locator("#rollout-feed li").first).to_be_visible()
+    [(stored,)] = stack.sql("select count(*) from jobs_rollout where job_id = %s", job_id)
+    assert stored == RL_STEPS * 8  # every rollout of every step (log_rollouts)
+    screenshot(page, "job_rl.png")
 
 
 FLAT_PANELS_JS = """() => [...document.querySelectorAll('#metric-charts .chart')]
