@@ -3,6 +3,7 @@ the queue: eval with the oracle and with the tiny model, a few RL steps of the t
 model, cancellation, and a worker that dies mid-job."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,7 +21,12 @@ def updates(messages):
     return [m for m in messages if m["type"] == "job.update"]
 
 
-def test_an_oracle_eval_runs_on_the_worker(alice, ttt_config, oracle, celery_worker):
+def logged(client, job) -> list[str]:
+    """The log lines the job page's Log panel gets."""
+    return [line["message"] for line in client.get(f"/api/jobs/{job.pk}/updates/").json()["logs"]]
+
+
+def test_an_oracle_eval_runs_on_the_worker(alice, alice_client, ttt_config, oracle, celery_worker):
     job, listener = create_job_with_listener(
         owner=alice, kind="eval", env_config=ttt_config, model=oracle,
         options={"num_examples": 12, "max_tokens": 24, "concurrency": 4},
@@ -37,6 +43,12 @@ def test_an_oracle_eval_runs_on_the_worker(alice, ttt_config, oracle, celery_wor
     assert Rollout.objects.filter(job=job, facts__has_key="random_move_prob").count() == 12
     assert Metric.objects.filter(job=job, name="reward/mean").exists()
     assert "reward" in job.result["report"]
+    # The Log panel says what it did: settings, milestones, the summary.
+    lines = logged(alice_client, job)
+    assert lines[0].startswith("eval: oracle on tictactoe: 12 examples x 1 rollouts")
+    assert any(line.startswith("eval: 6/12 rollouts (50%)") for line in lines)
+    assert any(line.startswith("eval: done: 12 rollouts in") for line in lines)
+    assert lines[-1].startswith("baseline constant: 12 rollouts in")  # baselines are on
     # Channel messages: running, per-step batches with metrics and rollout ids, succeeded.
     statuses = [m["status"] for m in messages if m["type"] == "job.status"]
     assert statuses[0] == "running" and statuses[-1] == "succeeded"
@@ -62,7 +74,7 @@ def test_a_tiny_model_eval_runs_on_the_worker(alice, ttt_config, tiny, celery_wo
     assert any(m["metrics"] for m in updates(messages))
 
 
-def test_a_few_rl_steps_of_the_tiny_model(alice, ttt_config, tiny, celery_worker):
+def test_a_few_rl_steps_of_the_tiny_model(alice, alice_client, ttt_config, tiny, celery_worker):
     job, listener = create_job_with_listener(
         owner=alice, kind="rl", env_config=ttt_config, model=tiny,
         options={"batch_size": 4, "rollouts_per_example": 2, "max_steps": 2, "max_tokens": 24,
@@ -85,6 +97,9 @@ def test_a_few_rl_steps_of_the_tiny_model(alice, ttt_config, tiny, celery_worker
         == checkpoints.count()
     )
     assert job.result["checkpoint"] in set(checkpoints.values_list("path", flat=True))
+    lines = logged(alice_client, job)
+    assert re.match(r"rl: \w+ on tictactoe, 2 examples x 2 rollouts per step, steps 1..2", lines[0])
+    assert lines[-1] == f"rl: final checkpoint {job.result['checkpoint']}"
     batch_steps = [b["last_step"] for b in updates(messages) if b["metrics"]]
     assert 1 in batch_steps and 2 in batch_steps
 
@@ -135,7 +150,7 @@ def test_a_job_whose_worker_process_dies_is_marked_lost(alice, ttt_config, tiny,
     assert messages[-1]["reason"] == "worker_lost"
 
 
-def test_synth_then_sft_on_the_worker(alice, ttt_config, tiny, celery_worker):
+def test_synth_then_sft_on_the_worker(alice, alice_client, ttt_config, tiny, celery_worker):
     random_player = services.model_create(
         owner=alice, name="random", kind="builtin", location="random"
     )
@@ -147,6 +162,9 @@ def test_synth_then_sft_on_the_worker(alice, ttt_config, tiny, celery_worker):
     synth = wait_for_job(synth)
     assert synth.status == "succeeded", synth.error
     assert synth.result["kept"] == 8 and synth.result["path"].endswith("dataset.jsonl")
+    lines = logged(alice_client, synth)
+    assert lines[0].startswith("synth: random on tictactoe, up to 40 examples")
+    assert lines[-1].startswith("synth: kept 8 of")
     sft, listener = create_job_with_listener(
         owner=alice, kind="sft", env_config=None, model=tiny,
         options={"dataset": synth.result["path"], "max_steps": 2, "batch_size": 4,
@@ -156,5 +174,8 @@ def test_synth_then_sft_on_the_worker(alice, ttt_config, tiny, celery_worker):
     sft = wait_for_job(sft)
     assert sft.status == "succeeded", sft.error
     assert Metric.objects.filter(job=sft, name__startswith="loss/").exists()
+    lines = logged(alice_client, sft)
+    assert re.match(r"sft: \d+ conversations from .*dataset.jsonl", lines[0])
+    assert lines[-1] == f"sft: final checkpoint {sft.result['checkpoint']}"
     final = ModelEntry.objects.get(checkpoint__job=sft, checkpoint__path=sft.result["checkpoint"])
     assert final.kind == "checkpoint" and final.owner == alice
