@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.policy.base import ContextExceeded, Policy, PolicyError, StopRequested
+from rlcore.policy.kv_cache import DEFAULT_MAX_BYTES, PrefixCache, growing_cache, plain_layers
 from rlcore.policy.static_decode import (
     DecodeRequest,
     StaticDecoder,
@@ -128,7 +129,8 @@ class LocalEngine(Policy):
     `batches_run`, `requests_served` and `tokens_generated` count the work done.
     `decode`: "auto" (the static decoder on CUDA when the architecture allows, else the
     dynamic loop), "static" or "dynamic". `max_batch_size` None: 1024 with the static
-    decoder on a GPU, 64 otherwise.
+    decoder on a GPU, 64 otherwise. `prefix_cache_bytes`: what the dynamic loop may keep of
+    earlier prompts and replies to start later ones from (kv_cache.py); 0 turns it off.
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class LocalEngine(Policy):
         max_batch_size: int | None = None,
         should_stop: Callable[[], bool] | None = None,
         decode: str = "auto",
+        prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
     ):
         if max_batch_size is not None and max_batch_size < 1:
             raise PolicyError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -188,6 +191,12 @@ class LocalEngine(Policy):
             decode = "static" if on_gpu and reason is None else "dynamic"
         self.decode = decode
         self._static: StaticDecoder | None = None
+        self._plain_layers = decode == "dynamic" and plain_layers(self.model.config)
+        self.prefix_cache = (
+            PrefixCache(prefix_cache_bytes)
+            if prefix_cache_bytes > 0 and self._plain_layers
+            else None
+        )
         if max_batch_size is None:
             max_batch_size = MAX_BATCH_GPU if on_gpu and decode == "static" else MAX_BATCH_CPU
         self.max_batch_size = max_batch_size
@@ -387,21 +396,32 @@ class LocalEngine(Policy):
         return self._static.generate(rows, self.should_stop)
 
     def _sample_dynamic(self, requests: list[_Request]) -> list[tuple[list[int], list[float], str]]:
-        """The KV-cache sampling loop over a left-padded batch; finished rows leave the batch."""
+        """The KV-cache sampling loop over a left-padded batch; finished rows leave the batch.
+        Each row's cache starts from the longest stored prefix of its prompt (see
+        kv_cache.py): the batch's columns are [cached prefix | prompt rest | replies],
+        each part left-padded per row, the padding masked out."""
         import torch
         from transformers import DynamicCache
 
         device = self.device
         batch_size = len(requests)
-        longest = max(len(r.prompt_ids) for r in requests)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_weights(self.model)
+            prefixes = [self.prefix_cache.lookup(r.prompt_ids) for r in requests]
+        else:
+            prefixes = [(None, 0)] * batch_size
+        cached = max(reused for _, reused in prefixes)
+        rests = [r.prompt_ids[reused:] for r, (_, reused) in zip(requests, prefixes, strict=True)]
+        longest = max(len(rest) for rest in rests)
+        prompt_columns = cached + longest
         input_ids = torch.full((batch_size, longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch_size, longest), dtype=torch.long)
-        for row, request in enumerate(requests):
-            length = len(request.prompt_ids)
-            input_ids[row, longest - length :] = torch.tensor(request.prompt_ids)
-            attention_mask[row, longest - length :] = 1
+        attention_mask = torch.zeros((batch_size, prompt_columns), dtype=torch.long)
+        for row, (rest, (_, reused)) in enumerate(zip(rests, prefixes, strict=True)):
+            input_ids[row, longest - len(rest) :] = torch.tensor(rest)
+            attention_mask[row, cached - reused : cached] = 1
+            attention_mask[row, prompt_columns - len(rest) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
         temperature = torch.tensor([r.sampling.temperature for r in requests], device=device)
         # No nucleus work (a sort per step) unless some request asks for it.
         top_p = (
@@ -413,7 +433,11 @@ class LocalEngine(Policy):
         eos = torch.tensor(sorted(self.eos_token_ids), device=device)
         shrink_at = 0.75 if device == "cpu" else 0.5
 
-        cache = DynamicCache(config=self.model.config)
+        if self._plain_layers:
+            prefix = self._cached_keys_values(prefixes, cached) if cached else None
+            cache = growing_cache(self.model.config, prefix)
+        else:
+            cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
         next_position = position_ids[:, -1:] + 1
         rows = list(range(batch_size))  # batch row -> request index
@@ -421,6 +445,28 @@ class LocalEngine(Policy):
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str] = ["length"] * batch_size
+
+        def remember(batch_rows: list[int]) -> None:
+            """Store these rows' prompts and replies (all but the last token: never fed)."""
+            if self.prefix_cache is None:
+                return
+            for batch_row in batch_rows:
+                index = rows[batch_row]
+                fed = len(sampled[index]) - 1
+                columns = torch.cat(
+                    [
+                        attention_mask[batch_row, :prompt_columns].nonzero().squeeze(-1),
+                        torch.arange(prompt_columns, prompt_columns + fed, device=device),
+                    ]
+                )
+                self.prefix_cache.add(
+                    requests[index].prompt_ids + sampled[index][:fed],
+                    [
+                        (layer.keys[batch_row][:, columns], layer.values[batch_row][:, columns])
+                        for layer in cache.layers
+                    ],
+                )
+
         while True:
             if self.should_stop is not None and self.should_stop():
                 raise StopRequested(
@@ -446,6 +492,7 @@ class LocalEngine(Policy):
                     finished[request_index] = True
             live = [batch_row for batch_row, i in enumerate(rows) if not finished[i]]
             if not live:
+                remember(list(range(len(rows))))
                 break
             # Finished rows ride along (their samples ignored) until dropping them shrinks the
             # batch enough to pay for copying the whole cache: by a quarter on CPU, where a
@@ -457,6 +504,7 @@ class LocalEngine(Policy):
             if bucket <= len(rows) * shrink_at:
                 riders = [batch_row for batch_row, i in enumerate(rows) if finished[i]]
                 keep = sorted(live + riders[: bucket - len(live)])
+                remember(riders[bucket - len(live) :])
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 tokens, attention_mask, next_position = (
@@ -471,6 +519,23 @@ class LocalEngine(Policy):
             logits = self._forward(tokens[:, None], attention_mask, next_position, cache)
             next_position = next_position + 1
         return [(sampled[i], logprobs[i], finish[i]) for i in range(batch_size)]
+
+    def _cached_keys_values(self, prefixes, cached: int) -> list[tuple]:
+        """Per layer, the batch's keys and values for its first `cached` columns: each row's
+        reused prefix right-aligned, zeros (masked) before it."""
+        import torch
+
+        layers = []
+        first = next(entry for entry, _ in prefixes if entry is not None)
+        for layer, (like, _) in enumerate(first.kv):
+            keys = like.new_zeros((len(prefixes), like.shape[0], cached, like.shape[2]))
+            values = torch.zeros_like(keys)
+            for row, (entry, reused) in enumerate(prefixes):
+                if entry is not None:
+                    keys[row, :, cached - reused :] = entry.kv[layer][0][:, :reused]
+                    values[row, :, cached - reused :] = entry.kv[layer][1][:, :reused]
+            layers.append((keys, values))
+        return layers
 
     def _row_generator(self, seed: int | None):
         """A private generator for a seeded request, so its draws do not depend on which

@@ -1,0 +1,173 @@
+"""Keys and values for the local engine's dynamic loop: a cache that grows in place
+(`GrowingLayer`), and a store of recent prompts and replies (`PrefixCache`), kept between
+generations, so a request whose prompt begins with one of them prefills only the rest.
+
+A conversation re-sends everything said so far at every turn: the next move of a game, a
+retry after an invalid reply, a tool result. Without this cache every turn pays the whole
+history again (a tic-tac-toe game's prompt grows from ~170 to ~450 tokens, and the prefill
+of 20 such prompts is most of a Play move's compute on a CPU). The engine looks up the
+longest stored prefix of each prompt, starts that row's KV cache from it, and after the
+batch stores each row's prompt and reply (all but the last sampled token, which was never
+fed back).
+
+A key or value at position j depends only on the tokens up to j and the weights, so any
+stored prefix of a prompt is exact up to float rounding (the batch it was computed in pads
+differently). Entries belong to one version of the weights: an in-place change of any
+parameter (an optimizer step, `load_state_dict`) bumps torch's version counter and empties
+the cache. Bounded by bytes; least recently used first out; an entry that is a prefix of a
+newer one (the previous turn of the same conversation) is dropped when the newer one comes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+# The default bound: the tiny model keeps ~4 KB a token, so this holds ~130 games of ~500
+# tokens; a 0.5 B model in bf16 ~12 KB a token.
+DEFAULT_MAX_BYTES = 512 * 2**20
+
+
+@dataclass
+class PrefixEntry:
+    tokens: np.ndarray  # int64 [n]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv heads, n, head dim]
+    nbytes: int
+
+
+def weights_version(model) -> tuple:
+    """Changes whenever a parameter is replaced or changed in place."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    length = min(len(a), len(b))
+    differ = np.flatnonzero(a[:length] != b[:length])
+    return int(differ[0]) if len(differ) else length
+
+
+class PrefixCache:
+    """`lookup` the longest stored prefix of a prompt, `add` a row's tokens with their keys
+    and values. Not thread-safe: the engine calls it from its one generation thread.
+    `hits`, `tokens_reused` and `tokens_looked_up` count what it saved."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.bytes = 0
+        self.version: tuple | None = None
+        self._next_key = 0
+        self.hits = self.tokens_reused = self.tokens_looked_up = 0
+
+    def check_weights(self, model) -> None:
+        """Empty the cache if the weights changed since its entries were computed."""
+        version = weights_version(model)
+        if version != self.version:
+            self.clear()
+            self.version = version
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def lookup(self, prompt_ids: list[int]) -> tuple[PrefixEntry | None, int]:
+        """The entry sharing the longest prefix with `prompt_ids`, and how many tokens of it
+        to reuse: at most all but the prompt's last token (whose logits start the reply)."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        self.tokens_looked_up += len(prompt)
+        best_key, best = None, 0
+        for key, entry in self.entries.items():
+            shared = common_prefix(entry.tokens, prompt)
+            if shared > best:
+                best_key, best = key, shared
+        best = min(best, len(prompt) - 1)
+        if best_key is None or best < 1:
+            return None, 0
+        self.entries.move_to_end(best_key)
+        self.hits += 1
+        self.tokens_reused += best
+        return self.entries[best_key], best
+
+    def add(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        array = np.asarray(tokens, dtype=np.int64)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        if not len(array) or nbytes > self.max_bytes:
+            return
+        for key, entry in list(self.entries.items()):
+            if len(entry.tokens) <= len(array) and common_prefix(entry.tokens, array) == len(
+                entry.tokens
+            ):
+                self._drop(key)  # the same conversation, one turn earlier
+        self.entries[self._next_key] = PrefixEntry(array, kv, nbytes)
+        self._next_key += 1
+        self.bytes += nbytes
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: int) -> None:
+        self.bytes -= self.entries.pop(key).nbytes
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` that writes each token's keys and values into spare room, growing
+    the buffer by half when it is full, where `DynamicLayer` copies the whole cache at every
+    token (`torch.cat`): at 20 rows of ~350 tokens that copy was most of a CPU decode step."""
+
+    GROWTH = 1.5
+    MIN_ROOM = 64
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer = self._value_buffer = None
+        self._length = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self._length, self._length + key_states.shape[-2]
+        if self._key_buffer is None or end > self._key_buffer.shape[-2]:
+            self._grow(key_states, value_states, max(end + self.MIN_ROOM, int(end * self.GROWTH)))
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        self._length = end
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, key_states, value_states, capacity: int) -> None:
+        rows, heads, _, dim = key_states.shape
+        keys = key_states.new_empty((rows, heads, capacity, dim))
+        values = value_states.new_empty((rows, heads, capacity, value_states.shape[-1]))
+        if self._key_buffer is not None:
+            keys[:, :, : self._length] = self._key_buffer[:, :, : self._length]
+            values[:, :, : self._length] = self._value_buffer[:, :, : self._length]
+        self._key_buffer, self._value_buffer = keys, values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            self._key_buffer = self._key_buffer[indices]
+            self._value_buffer = self._value_buffer[indices]
+            self.keys = self._key_buffer[:, :, : self._length]
+            self.values = self._value_buffer[:, :, : self._length]
+
+
+def growing_cache(config, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """A `DynamicCache` for `config` of `GrowingLayer`s (the model's layers must all be plain
+    ones: see `plain_layers`), started from `prefix`'s keys and values when given."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() for _ in cache.layers]
+    for layer, (keys, values) in zip(cache.layers, prefix or [], strict=False):
+        layer.update(keys, values)
+    return cache
+
+
+def plain_layers(config) -> bool:
+    """Whether every layer keeps plain keys and values (no sliding window, no recurrent
+    state): only those grow in place and can start from a stored prefix."""
+    layers = DynamicCache(config=config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)

@@ -1,0 +1,130 @@
+"""The local engine's KV caches: a conversation's next turn starts from the stored keys and
+values of the turns before (same replies, same logprobs, a fraction of the prefill), the
+store forgets what the weights no longer give and stays within its bytes, and the cache
+that grows in place decodes exactly what `DynamicCache`'s copying one does."""
+
+import asyncio
+
+import pytest
+import torch
+
+from rlcore.policy.kv_cache import PrefixCache
+from rlcore.policy.local import LocalEngine
+from rlcore.types import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+
+
+def engine(path, **options) -> LocalEngine:
+    return LocalEngine(path, device="cpu", name="tiny", **options)
+
+
+def history(turns: int, index: int = 0) -> list[dict]:
+    """A conversation of `turns` user turns, the replies written as a model would have."""
+    messages = [{"role": "system", "content": "Play tic-tac-toe. Reply with <move>N</move>."}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Game {index}, turn {turn}: X.O.X...."})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": f"<move>{(turn + index) % 9}</move>"})
+    return messages
+
+
+def run(policy, conversations, sampling=GREEDY):
+    """Generate for every conversation at once; `sampling` for all, or one per conversation."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(conversations)
+
+    async def all_of_them():
+        return await asyncio.gather(
+            *(policy.generate(c, s) for c, s in zip(conversations, samplings, strict=True))
+        )
+
+    return asyncio.run(all_of_them())
+
+
+def same_generations(left, right) -> None:
+    for a, b in zip(left, right, strict=True):
+        assert a.prompt_ids == b.prompt_ids
+        assert a.completion_ids == b.completion_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_later_turns_reuse_the_earlier_turns_and_answer_the_same(default_tiny_model):
+    cached, plain = engine(default_tiny_model), engine(default_tiny_model, prefix_cache_bytes=0)
+    assert plain.prefix_cache is None
+    for turns in (1, 2, 3):
+        # Several conversations at once, of different lengths, so rows of one batch reuse
+        # prefixes of different lengths (and one row may reuse nothing).
+        conversations = [history(turns, index) for index in range(4)] + [history(1, 9)]
+        for sampling in (GREEDY, SAMPLED):
+            same_generations(
+                run(cached, conversations, sampling), run(plain, conversations, sampling)
+            )
+    store = cached.prefix_cache
+    assert store.hits > 0
+    # Past the first batch every prompt starts with a stored one: most tokens are reused.
+    assert store.tokens_reused > 0.5 * store.tokens_looked_up
+
+
+def test_a_retry_reuses_the_invalid_reply_it_follows(default_tiny_model):
+    policy = engine(default_tiny_model)
+    first = run(policy, [history(1)])[0]
+    retry = history(1) + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Invalid move: cell taken. Try again."},
+    ]
+    before = policy.prefix_cache.tokens_reused
+    run(policy, [retry])
+    reused = policy.prefix_cache.tokens_reused - before
+    # At least the first prompt comes back from the store (its reply too, where the chat
+    # template renders it back to the same tokens).
+    assert reused >= len(first.prompt_ids) - 1
+
+
+def test_changed_weights_empty_the_store(default_tiny_model):
+    policy = engine(default_tiny_model)
+    run(policy, [history(2)])
+    assert policy.prefix_cache.entries
+    with torch.no_grad():
+        next(policy.model.parameters()).add_(0.5)  # what an optimizer step does
+    hits = policy.prefix_cache.hits
+    after = run(policy, [history(2)])
+    assert policy.prefix_cache.hits == hits  # nothing stored under the old weights was used
+    fresh = engine(default_tiny_model, prefix_cache_bytes=0)
+    fresh.model.load_state_dict(policy.model.state_dict())
+    same_generations(after, run(fresh, [history(2)]))
+
+
+def test_the_store_keeps_within_its_bytes_and_drops_superseded_turns():
+    store = PrefixCache(max_bytes=3 * 4 * 2 * 10)  # room for three 10-token entries
+
+    def kv(tokens):
+        return [(torch.zeros(1, len(tokens), 1), torch.zeros(1, len(tokens), 1))]
+
+    store.add(list(range(10)), kv(range(10)))
+    store.add(list(range(10)) + [5] * 5, kv(range(15)))  # the same conversation, later
+    assert len(store.entries) == 1  # the earlier turn is part of the later one
+    entry, reused = store.lookup(list(range(10)) + [5, 5, 7])
+    assert reused == 12 and len(entry.tokens) == 15
+    for start in (100, 200, 300):
+        store.add(list(range(start, start + 10)), kv(range(10)))
+    assert store.bytes <= store.max_bytes
+    assert store.lookup(list(range(10)) + [1])[1] == 0  # the oldest went first
+    assert store.lookup(list(range(300, 310)))[1] == 9  # never the prompt's last token
+
+
+def test_the_growing_cache_decodes_what_the_copying_one_does(default_tiny_model):
+    growing = engine(default_tiny_model, prefix_cache_bytes=0)
+    copying = engine(default_tiny_model, prefix_cache_bytes=0)
+    copying._plain_layers = False  # DynamicCache's own layers, concatenating every token
+    # Rows finishing at different lengths make the loop drop rows from the cache on the way
+    # (and, with the prefix store on, store the dropped ones).
+    conversations = [history(1 + index % 3, index) for index in range(20)]
+    lengths = [SamplingParams(temperature=1.0, max_tokens=2 + 3 * i, seed=i) for i in range(20)]
+    for sampling in (GREEDY, lengths):
+        same_generations(
+            run(growing, conversations, sampling), run(copying, conversations, sampling)
+        )
+    stored = engine(default_tiny_model)
+    same_generations(run(stored, conversations, lengths), run(copying, conversations, lengths))
+    assert len(stored.prefix_cache.entries) == 20
