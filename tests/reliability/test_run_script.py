@@ -1,7 +1,8 @@
-"""`make run` as a user runs it (scripts/run.sh, in its own session as in a terminal): Redis
-started persistent, one worker for jobs and one for Play moves, several web processes; a
-worker killed with kill -9 is reported and started again while the web server keeps
-answering; Ctrl-C stops everything and exits 0."""
+"""`make run` as a user runs it (make, then scripts/run.sh, in a session of their own as in a
+terminal): Redis started persistent and the tiny model built, both under RLLAB_VAR_DIR, one
+worker for jobs and one for Play moves, several web processes; a worker killed with
+kill -9 is reported and started again while the web server keeps answering; Ctrl-C stops
+everything, with no error from make."""
 
 import contextlib
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import redis
@@ -82,15 +84,15 @@ def wait_for(condition, timeout: float, what: str, output=None):
     )
 
 
-def test_run_sh_restarts_a_dead_worker_keeps_the_web_up_and_stops_on_ctrl_c(
+def test_make_run_restarts_a_dead_worker_keeps_the_web_up_and_stops_cleanly_on_ctrl_c(
     tmp_path, real_services
 ):
     redis_port, web_port = free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    output = tmp_path / "run.out"
+    output, var = tmp_path / "run.out", tmp_path / "var"
     env = {
-        **os.environ,
-        "RLLAB_VAR_DIR": str(tmp_path / "var"),
+        **{name: value for name, value in os.environ.items() if name != "RLCORE_HOME"},
+        "RLLAB_VAR_DIR": str(var),
         "RUNS_DIR": str(real_services),
         "REDIS_URL": redis_url,
         "DATABASE_URL": _database_url(),
@@ -103,12 +105,19 @@ def test_run_sh_restarts_a_dead_worker_keeps_the_web_up_and_stops_on_ctrl_c(
     }
     sessions: set[int] = set()
     with output.open("w") as out:
-        run = subprocess.Popen(["scripts/run.sh"], cwd=REPO, env=env, stdout=out,
-                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        # -o: the virtual environment counts as installed (no pip run in a test)
+        run = subprocess.Popen(["make", "-o", ".venv/.installed", "run"], cwd=REPO, env=env,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         wait_for(lambda: web_answers(web_port), 240, "the lab does not answer", output)
-        # Redis was started by run.sh, persistent.
-        assert redis.Redis.from_url(redis_url).config_get("appendonly") == {"appendonly": "yes"}
+        # Redis was started by run.sh, persistent, with its files under RLLAB_VAR_DIR...
+        started = redis.Redis.from_url(redis_url)
+        assert started.config_get("appendonly") == {"appendonly": "yes"}
+        assert started.config_get("dir") == {"dir": str(var / f"redis-{redis_port}")}
+        # ...as is the tiny model, RLCORE_HOME being unset.
+        tiny = re.search(r"tiny model: (\S+)$", output.read_text(), re.MULTILINE)
+        assert tiny and tiny.group(1).startswith(f"{var / 'rlcore'}/"), output.read_text()
+        assert (Path(tiny.group(1)) / "config.json").is_file()
         jobs_worker = wait_for(
             lambda: worker_main(run.pid, sessions, "-Q cpu"), 60, "no jobs worker", output
         )
@@ -152,9 +161,13 @@ def test_run_sh_restarts_a_dead_worker_keeps_the_web_up_and_stops_on_ctrl_c(
             p for p, (_, a) in lab_processes(run.pid, sessions).items() if "--workers 2" in a
         ] == uvicorn
 
-        # Ctrl-C: the terminal sends SIGINT to the whole foreground process group.
+        # Ctrl-C: the terminal sends SIGINT to the whole foreground process group. make
+        # dies of it as it should, after run.sh stopped everything and exited 0: make
+        # reports a recipe's failure ("make: *** [Makefile:21: run] Error 143"), never this.
         os.killpg(run.pid, signal.SIGINT)
-        assert run.wait(timeout=60) == 0, output.read_text()[-3000:]
+        assert run.wait(timeout=60) in (0, -signal.SIGINT)
+        assert "run.sh: stopping" in output.read_text()
+        assert "make: ***" not in output.read_text(), output.read_text()[-3000:]
         deadline = time.monotonic() + 20
         while lab_processes(run.pid, sessions) and time.monotonic() < deadline:
             time.sleep(0.3)
