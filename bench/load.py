@@ -99,6 +99,9 @@ print(json.dumps({{
     "points": Metric.objects.filter(job=job).count(),
     "tiny": ModelEntry.objects.get(owner=admin, name="tiny").pk,
     "tictactoe": EnvironmentConfig.objects.get(owner=admin, name="tictactoe (defaults)").pk,
+    "play_model": ModelEntry.objects.create(
+        owner=admin, name="load checkpoint", kind="checkpoint", location={play_model!r}
+    ).pk if {play_model!r} else None,
 }}))
 """
 
@@ -195,6 +198,11 @@ def start_lab(args, var_dir: Path) -> Lab:
         "RLLAB_ADMIN_PASSWORD": secrets.token_urlsafe(12),
         "PYTHONUNBUFFERED": "1",
     }
+    if args.play_model:
+        # The checkpoint the games play against lives outside the lab's own run folders.
+        env["MODEL_ROOTS"] = os.pathsep.join(
+            [str(var_dir / "runs"), str(Path(args.play_model).parent)]
+        )
     log_path = var_dir / "run.log"
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
@@ -239,9 +247,10 @@ async def wait_until_up(lab: Lab, timeout: float) -> float:
     )
 
 
-def setup_data(lab: Lab, points: int) -> dict:
-    """The finished job the bursts read, and the ids of the seeded tiny model and config."""
-    script = SETUP_SCRIPT.format(spec=json.dumps([list(SERIES), points]))
+def setup_data(lab: Lab, points: int, play_model: str) -> dict:
+    """The finished job the bursts read, the ids of the seeded tiny model and config, and of
+    the checkpoint the games play against (registered here when `play_model` is given)."""
+    script = SETUP_SCRIPT.format(spec=json.dumps([list(SERIES), points]), play_model=play_model)
     out = subprocess.run(
         [str(PYTHON), "manage.py", "shell", "-c", script],
         cwd=REPO, env=lab.env, capture_output=True, text=True, check=True,
@@ -474,7 +483,7 @@ async def run_loads(lab: Lab, args, ids: dict, info: dict) -> dict:
     await log_in(lab, connections=2 * args.gets + args.games + 20)
     info["metric_get_alone_cold_s"] = await measure_one_get(lab, ids["finished_job"])
     info["metric_get_alone_warm_s"] = await measure_one_get(lab, ids["finished_job"])
-    player = f"model-{ids['tiny']}"
+    player = f"model-{ids['play_model'] or ids['tiny']}"
     if args.games:
         info["first_move_after_s"] = await warm_up_play(lab, player, args.start_timeout)
     rl_jobs = await start_rl_jobs(lab, args.rl_jobs, ids)
@@ -556,6 +565,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--duration", type=float, default=60, help="seconds of load")
     parser.add_argument("--burst-every", type=float, default=15, help="seconds between bursts")
     parser.add_argument("--points", type=int, default=4650, help="points of the finished job")
+    parser.add_argument(
+        "--play-model",
+        default="",
+        help="a checkpoint directory the games play against (default: the untrained tiny model)",
+    )
     parser.add_argument("--port", type=int, default=0, help="default: a free one")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/10")
     parser.add_argument("--database-url", default="postgres://postgres@127.0.0.1:5432/rllab_bench")
@@ -573,6 +587,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.viewers and not args.rl_jobs:
         parser.error("--viewers watch an RL job: give --rl-jobs 1 or more")
 
+    if args.play_model:
+        play_model = Path(args.play_model).resolve()
+        if not (play_model / "config.json").is_file():
+            parser.error(f"--play-model: {play_model} holds no config.json (not a checkpoint)")
+        args.play_model = str(play_model)
     fresh_database(loopback(args.database_url, "--database-url"))
     flush_redis(loopback(args.redis_url, "--redis-url"))
     info: dict = {}
@@ -580,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
         lab = start_lab(args, Path(var_dir))
         try:
             info["lab_started_after_s"] = asyncio.run(wait_until_up(lab, args.start_timeout))
-            ids = setup_data(lab, args.points)
+            ids = setup_data(lab, args.points, args.play_model)
             info |= {"finished_job_points": ids["points"]}
             results = asyncio.run(run_loads(lab, args, ids, info))
         except BaseException:

@@ -3,9 +3,10 @@
 # server, and serves the lab on the built-in tiny model.
 #
 # Workers: one for jobs (queues cpu, and gpu when torch sees CUDA; WORKER_CONCURRENCY
-# processes, default 2, at nice 10) and one for Play moves (queue inference; a thread pool of
-# INFERENCE_CONCURRENCY, default 16, whose moves a local model generates as one batch), so
-# a game never waits behind training. The web server runs WEB_CONCURRENCY
+# processes, default 2, at nice 10, each with JOBS_THREADS torch threads: the cores shared
+# among them) and one for Play moves (queue inference; a thread pool of
+# INFERENCE_CONCURRENCY, default 16, whose moves a local model generates as one batch, on
+# INFERENCE_THREADS torch threads, default 1), so a game never waits behind training. The web server runs WEB_CONCURRENCY
 # uvicorn processes (default: the number of cores, between 2 and 4); websockets work across
 # them through the Redis channel layer.
 #
@@ -27,6 +28,10 @@ PORT=${PORT:-8000}
 cores=$(nproc 2>/dev/null || echo 2)
 WEB_CONCURRENCY=${WEB_CONCURRENCY:-$((cores < 2 ? 2 : (cores > 4 ? 4 : cores)))}
 WORKER_CONCURRENCY=${WORKER_CONCURRENCY:-2}
+# torch threads: the jobs share the cores between them; Play moves run on one thread (a
+# second one waits on the first whenever training or the web holds a core, which cost
+# moves several times their time under load: bench/load.py, docs/BENCHMARKS.md).
+jobs_threads=$(( cores / WORKER_CONCURRENCY > 1 ? cores / WORKER_CONCURRENCY : 1 ))
 INFERENCE_CONCURRENCY=${INFERENCE_CONCURRENCY:-16}
 mkdir -p "$RLLAB_VAR_DIR"
 
@@ -99,10 +104,11 @@ trap stop INT TERM EXIT
 celery_worker=(env DB_POOL_MAX_SIZE=0 .venv/bin/celery -A workers worker --loglevel INFO)
 # Training yields the CPU to Play moves and pages: a person waits on those, not on a step.
 supervise "worker jobs" "$RLLAB_VAR_DIR/worker-jobs.log" \
-  nice -n "${JOBS_NICE:-10}" \
+  nice -n "${JOBS_NICE:-10}" env OMP_NUM_THREADS="${JOBS_THREADS:-$jobs_threads}" \
   "${celery_worker[@]}" -Q "$queues" --concurrency "$WORKER_CONCURRENCY" --hostname "jobs@%h" &
 supervisors+=($!)
 supervise "worker inference" "$RLLAB_VAR_DIR/worker-inference.log" \
+  env OMP_NUM_THREADS="${INFERENCE_THREADS:-1}" \
   "${celery_worker[@]}" -Q inference -P threads --concurrency "$INFERENCE_CONCURRENCY" \
   --hostname "inference@%h" &
 supervisors+=($!)
