@@ -6,8 +6,8 @@
 Routes: `GET /v1/models` and `POST /v1/chat/completions`, with `n` replies (batched
 together), `stop` sequences (up to 4; the reply ends before the first one), `logprobs` (the
 sampled token's logprob per token; `top_logprobs` 0) and `stream` (server-sent events in
-OpenAI's chunk format: the reply's text comes as it is known, the whole reply once the
-engine finishes it, then the finish reason and `[DONE]`). Concurrent requests are batched
+OpenAI's chunk format: a chunk per token as the engine samples it, then the finish reason,
+the usage and `[DONE]`). Concurrent requests are batched
 by the engine. Tools given in a request go to the chat template, and
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in the model's reply come
 back as `message.tool_calls`. Bad requests get a 400 with an OpenAI-style error body.
@@ -286,31 +286,105 @@ def build_app(engine: LocalEngine, served_name: str) -> Starlette:
             for index in range(chat.n)
         ]
         try:
-            generations = await asyncio.gather(
-                *(engine.generate(chat.messages, s, tools=chat.tools) for s in samplings)
-            )
-        except ContextExceeded as exc:  # checked before the request joins a batch
+            for sampling in samplings[:1]:  # refused before a stream starts, with a 400
+                engine.prepare(chat.messages, sampling, chat.tools)
+        except ContextExceeded as exc:
             return error_response(str(exc), param="messages", code=ContextExceeded.code)
         except PolicyError as exc:
             return error_response(str(exc))
-        choices = [choice(index, generation, chat) for index, generation in enumerate(generations)]
         completion = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": int(time.time()),
             "model": served_name,
         }
-        usage = {
-            "prompt_tokens": generations[0].prompt_tokens,
-            "completion_tokens": sum(g.completion_tokens for g in generations),
-        }
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if chat.stream:
             return StreamingResponse(
-                stream_chunks(completion, choices, usage), media_type="text/event-stream"
+                stream_events(chat, samplings, completion), media_type="text/event-stream"
             )
+        try:
+            generations = await asyncio.gather(
+                *(engine.generate(chat.messages, s, tools=chat.tools) for s in samplings)
+            )
+        except PolicyError as exc:
+            return error_response(str(exc))
+        choices = [choice(index, generation, chat) for index, generation in enumerate(generations)]
         return JSONResponse(
-            {**completion, "object": "chat.completion", "choices": choices, "usage": usage}
+            {
+                **completion,
+                "object": "chat.completion",
+                "choices": choices,
+                "usage": usage_of(generations),
+            }
         )
+
+    async def stream_events(chat: ChatRequest, samplings: list, completion: dict):
+        """Server-sent events in OpenAI's `chat.completion.chunk` form: each choice's role,
+        then its text as the engine samples it, a chunk per token (with the token's logprob
+        when asked), its finish reason, the usage, `[DONE]`. Text that may be the start of a
+        stop sequence waits until it is known not to be one. With tools the reply's text
+        comes whole at its end (tool calls are parsed from the whole reply)."""
+
+        def event(choice_deltas: list[dict], **extra) -> str:
+            chunk = {**completion, "object": "chat.completion.chunk", "choices": choice_deltas}
+            return f"data: {json.dumps(chunk | extra)}\n\n"
+
+        def delta(index: int, content: dict, logprobs=None, finish_reason=None) -> str:
+            entry = {"index": index, "delta": content, "finish_reason": finish_reason}
+            if chat.logprobs:
+                entry["logprobs"] = logprobs
+            return event([entry])
+
+        events: asyncio.Queue = asyncio.Queue()
+        streams = [TextStream(engine.tokenizer, chat.stop) for _ in samplings]
+
+        async def run(index: int, sampling) -> None:
+            def on_token(token: int, logprob: float) -> None:
+                events.put_nowait(("token", index, token, logprob))
+
+            try:
+                generation = await engine.generate(
+                    chat.messages,
+                    sampling,
+                    tools=chat.tools,
+                    on_token=None if chat.tools else on_token,
+                )
+            except PolicyError as exc:
+                events.put_nowait(("error", index, exc, None))
+                return
+            events.put_nowait(("done", index, generation, None))
+
+        tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(samplings)]
+        generations: dict[int, Any] = {}
+        try:
+            for index in range(len(samplings)):
+                yield delta(index, {"role": "assistant"})
+            while len(generations) < len(samplings):
+                kind, index, value, logprob = await events.get()
+                if kind == "token":
+                    piece = streams[index].add(value, logprob)
+                    if piece is not None:
+                        yield delta(index, {"content": piece[0]}, {"content": piece[1]})
+                elif kind == "error":
+                    yield event([], error={"message": str(value), "type": "invalid_request_error"})
+                    return
+                else:
+                    generations[index] = value
+                    final = choice(index, value, chat)
+                    rest = streams[index].rest(final["message"])
+                    if rest:
+                        logprobs = final["logprobs"]
+                        yield delta(
+                            index,
+                            rest,
+                            logprobs
+                            and {"content": logprobs["content"][streams[index].tokens_sent :]},
+                        )
+                    yield delta(index, {}, finish_reason=final["finish_reason"])
+            yield event([], usage=usage_of([generations[i] for i in range(len(samplings))]))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
 
     def choice(index: int, generation, chat: ChatRequest) -> dict:
         text, stopped = cut_at_stop(generation.text, chat.stop)
@@ -351,30 +425,58 @@ def build_app(engine: LocalEngine, served_name: str) -> Starlette:
     )
 
 
-def stream_chunks(completion: dict, choices: list[dict], usage: dict):
-    """Server-sent events of `choices` in OpenAI's `chat.completion.chunk` form: the role,
-    the content (and tool calls, logprobs), the finish reason, then `[DONE]`."""
+def usage_of(generations) -> dict:
+    usage = {
+        "prompt_tokens": generations[0].prompt_tokens,
+        "completion_tokens": sum(g.completion_tokens for g in generations),
+    }
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return usage
 
-    def event(choice_deltas: list[dict], **extra) -> str:
-        chunk = {**completion, "object": "chat.completion.chunk", "choices": choice_deltas}
-        return f"data: {json.dumps(chunk | extra)}\n\n"
 
-    for c in choices:
-        yield event([{"index": c["index"], "delta": {"role": "assistant"}, "finish_reason": None}])
-        delta = {k: v for k, v in c["message"].items() if k != "role" and v is not None}
-        yield event(
-            [
-                {
-                    "index": c["index"],
-                    "delta": delta,
-                    "logprobs": c["logprobs"],
-                    "finish_reason": None,
-                }
-            ]
-        )
-        yield event([{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}])
-    yield event([], usage=usage)
-    yield "data: [DONE]\n\n"
+class TextStream:
+    """A reply's text as its tokens arrive: `add` gives each token's new text (and its
+    logprob entry) once it is sure, `rest` what the finished reply adds to what was sent.
+    Text is held back, whole tokens at a time, while it ends in an incomplete character or in
+    what may begin a stop sequence; once a stop sequence appears nothing more is sent."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = ""
+        self.pending: list[dict] = []  # logprob entries of tokens whose text is held back
+        self.tokens_sent = 0
+        self.stopped = False
+
+    def add(self, token: int, logprob: float) -> tuple[str, list[dict]] | None:
+        if self.stopped:
+            return None
+        self.ids.append(token)
+        self.pending.append({"token": "", "logprob": logprob, "bytes": [], "top_logprobs": []})
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return None  # a character split over tokens: wait for its last byte
+        text, self.stopped = cut_at_stop(text, self.stops)
+        if not self.stopped and any(
+            text.endswith(stop[:end]) for stop in self.stops for end in range(1, len(stop))
+        ):
+            return None  # may be the start of a stop sequence: wait for the next token
+        piece = text[len(self.sent) :]
+        if not piece:
+            return None
+        self.sent = text
+        entries, self.pending = self.pending, []
+        entries[-1] |= {"token": piece, "bytes": list(piece.encode())}
+        self.tokens_sent += len(entries)
+        return piece, entries
+
+    def rest(self, message: dict) -> dict:
+        """The finished reply's message less the text already sent."""
+        content = message.get("content") or ""
+        rest = {k: v for k, v in message.items() if k not in ("role", "content") and v}
+        if content.startswith(self.sent) and len(content) > len(self.sent):
+            rest["content"] = content[len(self.sent) :]
+        return rest
 
 
 class ServerThread:

@@ -2,6 +2,7 @@
 extraction and the `python -m rlcore.serve` entry point."""
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -269,6 +270,55 @@ def test_a_streamed_completion_is_openai_chunks_then_done(base_url):
         lines = [line for line in raw.iter_lines() if line]
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert lines[-1] == "data: [DONE]"
+
+
+def streamed(base_url, body) -> list[dict]:
+    """The JSON chunks of a streamed completion, `[DONE]` checked and dropped."""
+    with httpx.stream("POST", f"{base_url}/chat/completions", json=body | {"stream": True}) as raw:
+        lines = [line for line in raw.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_a_stream_comes_token_by_token_and_adds_up_to_the_reply(base_url):
+    body = {"model": "tiny-test", "messages": HELLO, "max_tokens": 12, "temperature": 0}
+    whole = chat(base_url, body | {"logprobs": True}).json()["choices"][0]
+    chunks = streamed(base_url, body | {"logprobs": True})
+    contents = [
+        c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
+    assert len(contents) > 3  # not the whole reply in one piece
+    assert "".join(c["delta"]["content"] for c in contents) == whole["message"]["content"]
+    entries = [e for c in contents for e in c["logprobs"]["content"]]
+    assert [e["logprob"] for e in entries] == pytest.approx(
+        [e["logprob"] for e in whole["logprobs"]["content"]], abs=1e-5
+    )
+    assert "".join(e["token"] for e in entries) == whole["message"]["content"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_streamed_reply_ends_before_its_stop_sequence(base_url):
+    body = {"model": "tiny-test", "messages": HELLO, "max_tokens": 12, "temperature": 0}
+    full = chat(base_url, body).json()["choices"][0]["message"]["content"]
+    stop = full[4:7]
+    cut = chat(base_url, body | {"stop": stop}).json()["choices"][0]["message"]["content"]
+    chunks = streamed(base_url, body | {"stop": stop})
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == cut == full[: full.find(stop)]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+
+
+def test_n_streamed_choices_each_add_up(base_url):
+    body = {"model": "tiny-test", "messages": HELLO, "max_tokens": 8, "n": 3, "seed": 5}
+    whole = chat(base_url, body).json()["choices"]
+    chunks = streamed(base_url, body)
+    for index in range(3):
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or ""
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == index
+        )
+        assert text == whole[index]["message"]["content"]
 
 
 def test_serve_help_names_the_command_people_type(capsys):

@@ -65,6 +65,8 @@ class _Request:
     sampling: SamplingParams
     max_new_tokens: int
     future: asyncio.Future
+    # Called on the engine's thread with each token id and logprob as it is sampled.
+    on_token: Callable[[int, float], None] | None = None
 
 
 class _LoopQueue:
@@ -73,6 +75,15 @@ class _LoopQueue:
     def __init__(self) -> None:
         self.pending: list[_Request] = []
         self.drainer: asyncio.Task | None = None
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[int, float], None]):
+    """`callback`, called from another thread, runs on `loop` (where its caller awaits)."""
+
+    def call(token: int, logprob: float) -> None:
+        loop.call_soon_threadsafe(callback, token, logprob)
+
+    return call
 
 
 def resolve_device(device: str) -> str:
@@ -256,15 +267,11 @@ class LocalEngine(Policy):
         if sampling.max_tokens < 1:
             raise PolicyError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
 
-    # -- the asyncio side ------------------------------------------------------------------
-    async def generate(
-        self,
-        messages: list[Message],
-        sampling: SamplingParams,
-        *,
-        tools: list[dict] | None = None,
-        state: dict | None = None,
-    ) -> Generation:
+    def prepare(
+        self, messages: list[Message], sampling: SamplingParams, tools: list[dict] | None = None
+    ) -> tuple[list[int], int]:
+        """The prompt's ids and how many tokens the reply may have, or the PolicyError
+        (ContextExceeded for a prompt the context cannot hold) saying why not."""
         self._check_sampling(sampling)
         prompt_ids = self.encode_prompt(messages, tools)
         max_new_tokens = sampling.max_tokens
@@ -276,8 +283,30 @@ class LocalEngine(Policy):
                     f"{self.context_length}; shorten the conversation or use a longer-context model"
                 )
             max_new_tokens = min(max_new_tokens, room)
+        return prompt_ids, max_new_tokens
+
+    # -- the asyncio side ------------------------------------------------------------------
+    async def generate(
+        self,
+        messages: list[Message],
+        sampling: SamplingParams,
+        *,
+        tools: list[dict] | None = None,
+        state: dict | None = None,
+        on_token: Callable[[int, float], None] | None = None,
+    ) -> Generation:
+        """The reply to `messages`. `on_token(token_id, logprob)`, when given, is called on
+        the caller's event loop with each token as the dynamic loop samples it (the static
+        decoder hands over a reply's tokens together, when the reply is done)."""
+        prompt_ids, max_new_tokens = self.prepare(messages, sampling, tools)
         loop = asyncio.get_running_loop()
-        request = _Request(prompt_ids, sampling, max_new_tokens, loop.create_future())
+        request = _Request(
+            prompt_ids,
+            sampling,
+            max_new_tokens,
+            loop.create_future(),
+            None if on_token is None else _on_loop(loop, on_token),
+        )
         queue = self._queues.setdefault(loop, _LoopQueue())
         queue.pending.append(request)
         if queue.drainer is None or queue.drainer.done():
@@ -393,7 +422,12 @@ class LocalEngine(Policy):
             )
             for r in requests
         ]
-        return self._static.generate(rows, self.should_stop)
+        results = self._static.generate(rows, self.should_stop)
+        for request, (ids, token_logprobs, _) in zip(requests, results, strict=True):
+            if request.on_token is not None:  # a graph's tokens arrive when the reply is done
+                for token, logprob in zip(ids, token_logprobs, strict=True):
+                    request.on_token(token, logprob)
+        return results
 
     def _sample_dynamic(self, requests: list[_Request]) -> list[tuple[list[int], list[float], str]]:
         """The KV-cache sampling loop over a left-padded batch; finished rows leave the batch.
@@ -485,6 +519,8 @@ class LocalEngine(Policy):
                     continue
                 sampled[request_index].append(int(token))
                 logprobs[request_index].append(logprob)
+                if requests[request_index].on_token is not None:
+                    requests[request_index].on_token(int(token), logprob)
                 if stopped:
                     finish[request_index] = "stop"
                     finished[request_index] = True
