@@ -194,6 +194,7 @@ def test_an_rl_job_of_the_tiny_model_draws_each_step_and_keeps_its_checkpoint(
     )
     status = page.locator("#job-status").get_attribute("data-status")
     assert status == "succeeded", (page.locator("#job-error").inner_text(), stack.logs())
+    expect(page.locator("#job-result")).to_be_attached()  # the page as reloaded, finished
     for panel in ("reward/mean", "loss", "perf/step_seconds"):  # loss/* share a panel
         page.wait_for_function(f"({PANEL_STEPS_JS})('{panel}') === {RL_STEPS}")
     expect(page.locator("#progress-text")).to_have_text(f"rl {RL_STEPS}/{RL_STEPS}")
