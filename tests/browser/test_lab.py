@@ -197,6 +197,11 @@ def test_an_rl_job_of_the_tiny_model_draws_each_step_and_keeps_its_checkpoint(
     expect(page.locator("#job-result")).to_be_attached()  # the page as reloaded, finished
     for panel in ("reward/mean", "loss", "perf/step_seconds"):  # loss/* share a panel
         page.wait_for_function(f"({PANEL_STEPS_JS})('{panel}') === {RL_STEPS}")
+    # Random weights lose every game alike: a reward of -0.5 each step, drawn flat.
+    flat = {panel["panel"]: panel for panel in page.evaluate(FLAT_PANELS_JS)}
+    low, high = flat["reward/mean"]["range"]
+    assert low < -0.5 < high and high - low >= 0.1, flat["reward/mean"]
+    assert set(flat["reward/mean"]["smoothed"]) == {-0.5}, flat["reward/mean"]
     expect(page.locator("#progress-text")).to_have_text(f"rl {RL_STEPS}/{RL_STEPS}")
     expect(page.locator("#log-tail")).to_contain_text("rl: grpo on tictactoe, 2 examples x 4")
     expect(page.locator("#log-tail")).to_contain_text("rl: final checkpoint")
