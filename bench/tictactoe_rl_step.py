@@ -50,7 +50,7 @@ from rlcore.train.grpo import (  # noqa: E402
     update_policy,
 )
 from rlcore.train.sampling import StratifiedSampler  # noqa: E402
-from rlcore.train.sequences import training_sequences  # noqa: E402
+from rlcore.train.sequences import micro_batches, training_sequences  # noqa: E402
 from rlcore.types import SamplingParams  # noqa: E402
 
 ENV_ARGS = (
@@ -73,6 +73,14 @@ def config(games: int, device: str, micro_batch_size: int, output_dir: str) -> R
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def padding_share(chunks) -> float:
+    """Share of the trained micro-batches' positions that are padding: what packing the
+    sequences into rows could save at most."""
+    positions = sum(len(chunk) * max(len(s.input_ids) for s in chunk) for chunk in chunks)
+    tokens = sum(len(s.input_ids) for chunk in chunks for s in chunk)
+    return 1 - tokens / max(positions, 1)
 
 
 def run_size(
@@ -124,6 +132,7 @@ def run_size(
         for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
             sequences += training_sequences(rollout, advantages, cfg.loss.aggregation)
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
+        chunks = micro_batches([s for s in sequences if any(s.advantages)], cfg.micro_batch_size)
         if cfg.num_iterations > 1:
             score_sequences(learner, sequences, cfg)
         sync(device)
@@ -140,6 +149,7 @@ def run_size(
             "tokens_generated": engine.tokens_generated - tokens,
             "sequences": len(sequences),
             "trained_tokens": sum(s.trained_tokens for s in sequences),
+            "padding": padding_share(chunks),
         }
 
     try:
@@ -177,6 +187,7 @@ def run_size(
             "tokens_generated",
             "sequences",
             "trained_tokens",
+            "padding",
         )  # fmt: skip
     }
     summary |= {"games": games, "decode": engine.decode, "max_batch_size": engine.max_batch_size}
@@ -226,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\ntic-tac-toe RL step, tiny model, {device} ({card}){trained}")
     print(
         f"{'card':<22}{'games':>6}{'rollout s':>11}{'scoring s':>11}{'train s':>9}{'step s':>8}"
-        f"{'vs 64':>7}{'batches':>9}{'tokens':>9}{'games/s':>9}"
+        f"{'vs 64':>7}{'batches':>9}{'tokens':>9}{'games/s':>9}{'padding':>9}"
     )
     base = summaries[0]["step"]
     for s in summaries:
@@ -234,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{card[:21]:<22}{s['games']:>6}{s['rollout']:>11.2f}{s['scoring']:>11.3f}"
             f"{s['train']:>9.2f}{s['step']:>8.2f}{s['step'] / base:>6.2f}x"
             f"{s['engine_batches']:>9.0f}{s['tokens_generated']:>9.0f}"
-            f"{s['games'] / s['step']:>9.1f}"
+            f"{s['games'] / s['step']:>9.1f}{s['padding']:>9.1%}"
         )
         s["card"] = card
     if profile_table:

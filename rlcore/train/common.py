@@ -109,15 +109,16 @@ def build_optimizer(model, cfg: OptimizerConfig, total_updates: int):
     return optimizer, scheduler
 
 
-def clip_gradients(model, max_norm: float) -> float:
-    """Clip the global gradient norm (0: only measure it) and return the norm before."""
+def clip_gradients(model, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (0: only measure it) and return the norm before, a
+    0-dim tensor on the parameters' device (reading it waits for the GPU)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return float(norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
 
 
-def pad_batch(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
-    width = max(len(s) for s in sequences)
+def pad_batch(sequences: list[list[int]], pad_value: int, multiple: int = 1) -> torch.Tensor:
+    """The sequences right-padded with `pad_value` to the longest, rounded up to `multiple`."""
+    width = -(-max(len(s) for s in sequences) // multiple) * multiple
     return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
 
 

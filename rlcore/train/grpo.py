@@ -69,7 +69,9 @@ from rlcore.train.sequences import (
     collate,
     micro_batches,
     padded,
+    target_rows,
     think_length,
+    to_device,
     training_sequences,
 )
 from rlcore.types import Rollout, SamplingParams
@@ -148,7 +150,8 @@ def policy_loss(
     gradient however far its ratio moved. With `loss.beta` > 0 and reference logprobs, the
     k3 estimate of KL(policy || reference) on the same tokens, weighed and divided alike,
     is added times beta. Returns the loss and sums for the step's metrics: `policy`,
-    `total`, `kl` and `clipped` over `tokens` trained tokens."""
+    `total`, `kl` and `clipped` over `tokens` trained tokens, as 0-dim tensors on the
+    loss's device (reading them would wait for the GPU: see `StepSums`)."""
     mask = weights > 0
     ratio = torch.exp(logprobs - old_logprobs)
     if loss.type == "cispo":
@@ -161,18 +164,18 @@ def policy_loss(
         clipped = bounded < unclipped
     normalizer = max(float(normalizer), 1e-8)
     policy = (per_token * weights).sum() / normalizer
-    total, kl_sum = policy, 0.0
+    total, kl_sum = policy, torch.zeros((), device=logprobs.device)
     if ref_logprobs is not None and loss.beta > 0:
         log_ratio = ref_logprobs - logprobs
         kl = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, always >= 0
         total = policy + loss.beta * (kl * weights).sum() / normalizer
-        kl_sum = float((kl.detach() * mask).sum())
+        kl_sum = (kl.detach() * mask).sum()
     stats = {
-        "policy": float(policy.detach()),
-        "total": float(total.detach()),
+        "policy": policy.detach(),
+        "total": total.detach(),
         "kl": kl_sum,
-        "clipped": float((clipped & mask).sum()),
-        "tokens": float(mask.sum()),
+        "clipped": (clipped & mask).sum().float(),
+        "tokens": mask.sum().float(),
     }
     return total, stats
 
@@ -218,19 +221,45 @@ class StepStopped(Exception):
         self.updates = updates
 
 
-def _measure_sampling(sums: Counter, chunk, old, entropy, weights) -> None:
-    """Entropy of the trained tokens and their gap to the logprobs the engine sampled with."""
+class StepSums:
+    """Metric sums of one step, kept on the device while its micro-batches run: reading a
+    GPU value makes the host wait for all the work queued before it, so a read per
+    micro-batch would stall the loop on every one. `to_host` copies them all at once,
+    after the step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, stats: dict[str, torch.Tensor]) -> None:
+        for key, value in stats.items():
+            previous = self.sums.get(key)
+            self.sums[key] = value.detach() if previous is None else previous + value.detach()
+
+    def to_host(self) -> Counter:
+        keys = list(self.sums)
+        if not keys:
+            return Counter()
+        values = torch.stack([self.sums[key].to(self.device, torch.float64) for key in keys])
+        return Counter(dict(zip(keys, values.tolist(), strict=True)))
+
+
+def sampling_stats(chunk, old, entropy, weights) -> dict[str, torch.Tensor]:
+    """Entropy of the trained tokens and their gap to the logprobs the engine sampled with
+    (rows without sampled logprobs, e.g. from an endpoint, count for entropy only)."""
     mask = weights > 0
-    sums["entropy"] += float((entropy.detach() * mask).sum())
-    sums["entropy_tokens"] += float(mask.sum())
-    for row, sequence in enumerate(chunk):
-        if sequence.sampled_logprobs is None:
-            continue
-        length = len(sequence.input_ids) - 1
-        sampled = torch.tensor(sequence.sampled_logprobs[1:], device=old.device)
-        on = mask[row, :length]
-        sums["mismatch"] += float((old[row, :length].float() - sampled).abs()[on].sum())
-        sums["mismatch_tokens"] += float(on.sum())
+    sampled_at = [s.sampled_logprobs or [0.0] * len(s.input_ids) for s in chunk]
+    sampled = target_rows(sampled_at, old.shape[1], old.device)
+    has_sampled = to_device(
+        torch.tensor([s.sampled_logprobs is not None for s in chunk]), old.device
+    )
+    compared = mask & has_sampled[:, None]
+    return {
+        "entropy": (entropy.detach() * mask).sum(),
+        "entropy_tokens": mask.sum().float(),
+        "mismatch": ((old.detach().float() - sampled).abs() * compared).sum(),
+        "mismatch_tokens": compared.sum().float(),
+    }
 
 
 def _sampling_metrics(sums: Counter) -> dict[str, float]:
@@ -242,8 +271,9 @@ def _sampling_metrics(sums: Counter) -> dict[str, float]:
 
 @torch.no_grad()
 def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
-    """Fill each sequence's old (and reference) logprobs with one no-grad pass."""
-    sums: Counter = Counter()
+    """Fill each sequence's old (and reference) logprobs with one no-grad pass; they stay
+    on the device, where the updates read them."""
+    sums = StepSums(learner.device)
     chunks = micro_batches(sequences, cfg.micro_batch_size)
     temperature = cfg.sampling.temperature
     for index, chunk in enumerate(chunks):
@@ -257,20 +287,22 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
             ref = None
             if learner.reference is not None:
                 ref, _ = token_logprobs(learner.reference, input_ids, attention_mask, temperature)
-        _measure_sampling(sums, chunk, old, entropy, weights)
+        sums.add(sampling_stats(chunk, old, entropy, weights))
         for row, sequence in enumerate(chunk):
             length = len(sequence.input_ids) - 1
-            sequence.old_logprobs = old[row, :length].cpu()
+            sequence.old_logprobs = old[row, :length]
             if ref is not None:
-                sequence.ref_logprobs = ref[row, :length].cpu()
-    return _sampling_metrics(sums)
+                sequence.ref_logprobs = ref[row, :length]
+    return _sampling_metrics(sums.to_host())
 
 
 def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict:
     """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
     of `policy_loss` over length-sorted micro-batches; returns the step's loss metrics.
     StepStopped between micro-batches when a stop is requested (the partial gradient is
-    left for the caller to drop, never stepped on)."""
+    left for the caller to drop, never stepped on). The micro-batches go to the device
+    before the first update, and the metrics stay there until the step ends, so on a GPU
+    the loop only queues work and never waits for it."""
     with_reference = learner.reference is not None
     # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
@@ -278,19 +310,18 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     # With one update and no reference the old logprobs are the current ones: taken from
     # this very pass (ratio exactly 1), with entropy and mismatch measured here.
     single_pass = cfg.num_iterations == 1 and not with_reference
-    sums: Counter = Counter()
+    sums = StepSums(learner.device)
     chunks = micro_batches(trainable, cfg.micro_batch_size)
+    batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     for iteration in range(cfg.num_iterations):
-        for index, chunk in enumerate(chunks):
+        for index, (chunk, batch) in enumerate(zip(chunks, batches, strict=True)):
             if learner.should_stop():
                 where = (
                     f"update {iteration + 1} of {cfg.num_iterations}: micro-batch {index + 1} "
                     f"of {len(chunks)} not run"
                 )
                 raise StepStopped(where, iteration)
-            input_ids, attention_mask, weights, advantages = collate(
-                chunk, learner.pad_id, learner.device
-            )
+            input_ids, attention_mask, weights, advantages = batch
             with autocast(learner.device):
                 logprobs, entropy = token_logprobs(
                     learner.model, input_ids, attention_mask, cfg.sampling.temperature, single_pass
@@ -298,26 +329,27 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
             width, device = weights.shape[1], learner.device
             if single_pass:
                 old = logprobs.detach()
-                _measure_sampling(sums, chunk, old, entropy, weights)
+                sums.add(sampling_stats(chunk, old, entropy, weights))
             else:
                 old = padded([s.old_logprobs for s in chunk], width, device)
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
             loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
             loss.backward()
-            sums.update(stats)
-        sums["grad_norm"] += clip_gradients(learner.model, cfg.optimizer.max_grad_norm)
+            sums.add(stats)
+        sums.add({"grad_norm": clip_gradients(learner.model, cfg.optimizer.max_grad_norm)})
         lr = learner.scheduler.get_last_lr()[0]
         learner.optimizer.step()  # with nothing trainable no parameter has a gradient
         learner.scheduler.step()
         learner.optimizer.zero_grad(set_to_none=True)
-    tokens = max(sums["tokens"], 1.0)
-    metrics = _sampling_metrics(sums) if single_pass else {}
+    host = sums.to_host()
+    tokens = max(host["tokens"], 1.0)
+    metrics = _sampling_metrics(host) if single_pass else {}
     return metrics | {
-        "loss/policy": sums["policy"] / cfg.num_iterations,
-        "loss/total": sums["total"] / cfg.num_iterations,
-        "loss/kl": sums["kl"] / tokens,
-        "policy/clip_fraction": sums["clipped"] / tokens,
-        "optim/grad_norm": sums["grad_norm"] / cfg.num_iterations,
+        "loss/policy": host["policy"] / cfg.num_iterations,
+        "loss/total": host["total"] / cfg.num_iterations,
+        "loss/kl": host["kl"] / tokens,
+        "policy/clip_fraction": host["clipped"] / tokens,
+        "optim/grad_norm": host["grad_norm"] / cfg.num_iterations,
         "optim/lr": lr,
     }
 

@@ -232,7 +232,9 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
 
         # Forward and backward per micro-batch; the loss is the mean over every assistant
         # token of the whole batch, so accumulation gives the same gradient as one pass.
-        total_loss, seen_tokens = 0.0, 0
+        # The loss stays on the device until the step ends: reading it per micro-batch
+        # would make the host wait for the GPU each time.
+        total_loss, seen_tokens = torch.zeros((), device=device), 0
         chunks = length_sorted_chunks(batch, lengths, cfg.micro_batch_size)
         for index, chunk in enumerate(chunks):
             if index and sink.should_stop():
@@ -243,7 +245,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
                 model, chunk_examples, tokenizer.pad_token_id, device, masked_tokens
             )
             loss.backward()
-            total_loss += loss.item()
+            total_loss += loss.detach()
             seen_tokens += sum(len(ids) for ids, _ in chunk_examples)
 
         grad_norm = clip_gradients(model, cfg.optimizer.max_grad_norm)
@@ -251,6 +253,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        total_loss, grad_norm = torch.stack([total_loss, grad_norm.to(device)]).tolist()
 
         seconds = time.monotonic() - started
         sink.metric(
