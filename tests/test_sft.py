@@ -275,6 +275,22 @@ def test_synth_gives_each_rollout_of_an_example_its_own_game(tmp_path):
     assert [json.loads(line) for line in Path(again["path"]).read_text().splitlines()] == rows
 
 
+def test_synth_progress_moves_rollout_by_rollout_not_chunk_by_chunk(tmp_path):
+    cfg = SynthConfig(
+        env="tictactoe",
+        model="random",
+        num_examples=12,
+        rollouts_per_example=2,
+        concurrency=8,
+        output_dir=str(tmp_path / "synth"),
+    )
+    sink = RecordingSink()
+    run_synth(cfg, sink)
+    # 4 examples x 2 rollouts a chunk; the bar counts each of the 24 as it is taken.
+    assert [done for done, _, _ in sink.progress_events] == list(range(1, 25))
+    assert {total for _, total, _ in sink.progress_events} == {24}
+
+
 def test_synth_drops_a_constant_player_for_running_out_of_turns(tmp_path):
     cfg = SynthConfig(
         env="tictactoe",

@@ -3,7 +3,8 @@ rollouts that pass the filters.
 
 The teacher is anything `load_policy` accepts: an environment's built-in player, the tiny
 model, a checkpoint, a hub id, or a served model behind `base_url`. Rollouts are played in
-chunks until `max_kept` rollouts pass or the examples run out. A rollout is dropped for
+chunks until `max_kept` rollouts pass or the examples run out, and taken (kept or dropped,
+the progress bar moved) one by one as they finish, in example order. A rollout is dropped for
 the first filter it fails, checked in this order: an error, truncation, an excluded
 outcome, a `format` reward below 1, too many invalid moves, a reward below `min_reward`.
 The dataset is JSONL, one conversation per line (`{"messages", "env", "example_id",
@@ -17,6 +18,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,9 +69,17 @@ def dataset_row(rollout: Rollout, env_name: str) -> dict:
 
 
 async def play(
-    env, policy, examples: list[Example], sampling: SamplingParams, repeats: int, concurrency: int
-) -> list[Rollout]:
-    """`repeats` rollouts of each example (adjacent), each with its own sampling seed.
+    env,
+    policy,
+    examples: list[Example],
+    sampling: SamplingParams,
+    repeats: int,
+    concurrency: int,
+    on_rollout: Callable[[Rollout], None],
+) -> None:
+    """`repeats` rollouts of each example (adjacent), each with its own sampling seed, handed
+    to `on_rollout` in that order, each as soon as it and those before it are done (so
+    progress moves rollout by rollout while what is kept stays independent of timing).
 
     One seed for all would replay the same game `repeats` times: the env's built-in players
     draw from (sampling seed, board), and a seeded model request from its own generator.
@@ -82,7 +92,13 @@ async def play(
             (rollout,) = await run_rollouts(env, policy, [example], sampling=seeded)
         return rollout
 
-    return list(await asyncio.gather(*(one(e, r) for e in examples for r in range(repeats))))
+    tasks = [asyncio.ensure_future(one(e, r)) for e in examples for r in range(repeats)]
+    try:
+        for task in tasks:
+            on_rollout(await task)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _check_filters(cfg: SynthConfig, env) -> None:
@@ -129,6 +145,23 @@ def run_synth(cfg: SynthConfig, sink: EventSink | None = None) -> dict:
     outcomes: Counter[str] = Counter()
     started = time.monotonic()
     sink.log(f"synth: {cfg.model} on {cfg.env}, up to {cfg.num_examples} examples -> {path}")
+
+    def take(rollout: Rollout) -> None:
+        """Keep or drop one finished rollout, and move the bar."""
+        nonlocal kept, played, done
+        played += 1
+        outcomes[str(rollout.outcome)] += 1
+        reason = drop_reason(rollout, cfg)
+        if reason is None and kept >= target:
+            reason = "max_kept"
+        if reason is not None:
+            dropped[reason] += 1
+        else:
+            out.write(json.dumps(dataset_row(rollout, cfg.env)) + "\n")
+            kept += 1
+        done = min(kept, target) if cfg.max_kept else played
+        sink.progress(done, target, "synth")
+
     # One event loop for the whole run: an endpoint client keeps its connections on it.
     loop = asyncio.new_event_loop()
     try:
@@ -139,22 +172,17 @@ def run_synth(cfg: SynthConfig, sink: EventSink | None = None) -> dict:
                 examples = env.examples(
                     min(chunk_size, cfg.num_examples - offset), seed=cfg.seed, offset=offset
                 )
-                rollouts = loop.run_until_complete(
-                    play(env, policy, examples, sampling, cfg.rollouts_per_example, cfg.concurrency)
+                loop.run_until_complete(
+                    play(
+                        env,
+                        policy,
+                        examples,
+                        sampling,
+                        cfg.rollouts_per_example,
+                        cfg.concurrency,
+                        take,
+                    )
                 )
-                for rollout in rollouts:
-                    played += 1
-                    outcomes[str(rollout.outcome)] += 1
-                    reason = drop_reason(rollout, cfg)
-                    if reason is None and kept >= target:
-                        reason = "max_kept"
-                    if reason is not None:
-                        dropped[reason] += 1
-                        continue
-                    out.write(json.dumps(dataset_row(rollout, cfg.env)) + "\n")
-                    kept += 1
-                done = min(kept, target) if cfg.max_kept else played
-                sink.progress(done, target, "synth")
         if done < target:  # the examples ran out first: close the bar at its end
             sink.progress(target, target, "synth")
     finally:
