@@ -62,6 +62,7 @@ def real_services(tmp_path_factory):
             }
         },
         RUNS_DIR=runs_dir,
+        CHECKPOINT_ROOT=runs_dir,
         MODEL_ROOTS=[*settings.MODEL_ROOTS, runs_dir],
     )
     override.enable()
@@ -134,6 +135,33 @@ def ttt_config(alice):
 @pytest.fixture
 def oracle(alice):
     return services.model_create(owner=alice, name="oracle", kind="builtin", location="oracle")
+
+
+def announce_node(name: str, *, queues=("cpu",), gpus=()) -> None:
+    """A worker node's announcement as workers/nodes.py writes it, for tests of routing
+    that need nodes of a kind this machine has not (GPUs of a given size)."""
+    from webapp.jobs.nodes import node_announce
+
+    node_announce(
+        name=name,
+        host=name.partition("@")[2] or name,
+        queues=list(queues),
+        concurrency=1,
+        gpus=[
+            {"index": index, "name": f"GPU {size:g} GiB", "total_gib": size, "free_gib": size}
+            for index, size in enumerate(gpus)
+        ],
+        versions={"python": "3", "commit": "test"},
+        engines=["local"],
+        checkpoint_root="",
+        pid=1,
+    )
+
+
+@pytest.fixture
+def gpu_node(db):
+    """A live worker node on the gpu queue with one 80 GiB GPU."""
+    announce_node("gpu@box", queues=("gpu",), gpus=(80,))
 
 
 @pytest.fixture

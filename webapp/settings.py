@@ -12,9 +12,12 @@ Environment variables (all optional):
   REDIS_URL      Celery broker + result backend and the Channels layer;
                  default redis://127.0.0.1:6379/0
   RLLAB_VAR_DIR  where the lab keeps its files; default ./var
-  RUNS_DIR       job outputs and checkpoints; default RLLAB_VAR_DIR/runs
+  RUNS_DIR       job outputs (eval results, synth datasets); default RLLAB_VAR_DIR/runs
+  CHECKPOINT_ROOT  where SFT and RL jobs write their checkpoints: a path every node
+                 shares (NFS or the like, docs/DEPLOY.md); default RUNS_DIR
   MODEL_ROOTS    os.pathsep-separated directories a model path may live under;
-                 default RUNS_DIR, RLLAB_VAR_DIR/models, ~/.cache/rlcore/models, ./runs
+                 default RUNS_DIR, CHECKPOINT_ROOT, RLLAB_VAR_DIR/models,
+                 ~/.cache/rlcore/models, ./runs
   WORKER_LOST_SECONDS   a running job whose worker sent no heartbeat for this long is
                         marked lost (default 45: with the watchdog's 10 s, a dead worker's
                         job is lost within 55 s)
@@ -24,6 +27,14 @@ Environment variables (all optional):
                         broker message is gone (default 10)
   QUEUED_RESEND_SECONDS a queued job this old whose message is not in the broker is sent
                         again (default 30)
+  NODE_LOST_SECONDS     a worker node silent this long is shown (and marked) gone
+                        (default WORKER_LOST_SECONDS)
+  NODE_GPU_REFRESH_SECONDS  how often a node measures its GPUs' free memory (default 60)
+  INFERENCE_ENGINE      Play moves of local models on this worker: local (default) or
+                        vllm (a `vllm serve` per model, docs/DEPLOY.md)
+  VLLM_SERVE_COMMAND    the command that serves a checkpoint for the vllm engine; {model},
+                        {host}, {port} and {name} are filled in (default: vllm serve ...)
+  VLLM_STARTUP_SECONDS  how long a starting server may take to answer (default 600)
 """
 
 from __future__ import annotations
@@ -53,14 +64,20 @@ def _dir(value: str) -> Path:
 
 VAR_DIR = _dir(os.environ.get("RLLAB_VAR_DIR", "var"))
 RUNS_DIR = _dir(os.environ.get("RUNS_DIR", str(VAR_DIR / "runs")))
+CHECKPOINT_ROOT = _dir(os.environ.get("CHECKPOINT_ROOT") or str(RUNS_DIR))
 MODEL_ROOTS = [
     _dir(p)
     for p in os.environ.get(
         "MODEL_ROOTS",
-        os.pathsep.join([str(RUNS_DIR), str(VAR_DIR / "models"), "~/.cache/rlcore/models", "runs"]),
+        os.pathsep.join(
+            dict.fromkeys(
+                [str(RUNS_DIR), str(CHECKPOINT_ROOT), str(VAR_DIR / "models"),
+                 "~/.cache/rlcore/models", "runs"]
+            )
+        ),
     ).split(os.pathsep)
     if p.strip()
-]
+]  # fmt: skip
 
 
 def _secret_key() -> str:
@@ -225,6 +242,16 @@ JOB_HEARTBEAT_SECONDS = float(
 )
 WORKER_WATCHDOG_SECONDS = float(os.environ.get("WORKER_WATCHDOG_SECONDS", "10"))
 QUEUED_RESEND_SECONDS = float(os.environ.get("QUEUED_RESEND_SECONDS", "30"))
+# Worker nodes (workers/nodes.py): each announces itself and heartbeats from its watchdog.
+NODE_LOST_SECONDS = float(os.environ.get("NODE_LOST_SECONDS") or WORKER_LOST_SECONDS)
+NODE_GPU_REFRESH_SECONDS = float(os.environ.get("NODE_GPU_REFRESH_SECONDS", "60"))
+# The vllm engine (workers/engines.py): how a checkpoint is served, and Play's engine.
+INFERENCE_ENGINE = os.environ.get("INFERENCE_ENGINE", "local")
+VLLM_SERVE_COMMAND = os.environ.get(
+    "VLLM_SERVE_COMMAND",
+    "vllm serve {model} --host {host} --port {port} --served-model-name {name}",
+)
+VLLM_STARTUP_SECONDS = float(os.environ.get("VLLM_STARTUP_SECONDS", "600"))
 
 LOGGING = {
     "version": 1,

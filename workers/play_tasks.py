@@ -8,7 +8,9 @@ endpoint down, a checkpoint gone) marks the game so the page can say why and off
 
 Loading a local model takes seconds and a game asks it for a move every few, so each
 worker process keeps the last few local models it loaded, keyed by their path. Built-in
-players are made fresh (they cost nothing) and so are endpoint clients.
+players are made fresh (they cost nothing) and so are endpoint clients. With
+INFERENCE_ENGINE=vllm (GPU nodes) a local model is served by `vllm serve` instead, the
+last few servers kept running (workers/engines.py), and reached as an endpoint.
 
 Every move of a worker process runs on one event loop of its own (a daemon thread), so
 with a thread pool (`-P threads`, as `make run` starts the inference worker) the moves of
@@ -29,10 +31,12 @@ from rlcore.envs import load_environment
 from rlcore.envs.tictactoe_game import parse_move
 from rlcore.parsers import ThinkParser
 from rlcore.policy import Policy, load_policy
+from rlcore.policy.openai_client import OpenAIPolicy
 from webapp.jobs.models import ApiKey
 from webapp.play import services
 from webapp.play.models import Game
 from workers.celery import app
+from workers.engines import play_engine, play_servers
 from workers.sink import json_safe, text_safe
 
 logger = get_task_logger(__name__)
@@ -70,6 +74,11 @@ def policy_for(policy: dict) -> Policy:
         )
     if policy.get("kind") not in LOCAL_KINDS:
         return load_policy(model, env=load_environment(services.PLAY_ENV))
+    engine, why = play_engine()
+    if engine == "vllm":
+        return play_servers.policy(model)
+    if why:
+        logger.warning("play: INFERENCE_ENGINE=vllm, moves run on the local engine: %s", why)
     with _local_lock:
         if model in _local_models:
             _local_models.move_to_end(model)
@@ -114,7 +123,7 @@ async def _model_turn(session, policy: Policy, game: Game) -> dict:
     finally:
         # An endpoint client's connections belong to this task's event loop.
         close = getattr(policy, "aclose", None)
-        if close is not None and game.policy.get("kind") == "openai":
+        if close is not None and isinstance(policy, OpenAIPolicy):
             await close()
 
 

@@ -40,7 +40,10 @@ from django.utils import timezone
 
 from webapp.jobs.live import notify_job
 from webapp.jobs.models import ApiKey, Checkpoint, Job, LogLine, ModelEntry, checkpoint_model_name
+from webapp.jobs.nodes import node_stop, nodes_mark_gone
 from workers.celery import app
+from workers.engines import job_engine, play_servers, served_config, trainer_takes_engine
+from workers.nodes import NodeReporter, node_facts
 from workers.sink import DatabaseSink, text_safe
 
 logger = get_task_logger(__name__)
@@ -140,8 +143,9 @@ def _claim(job_id: int, hostname: str) -> Job | None:
     return job
 
 
-def execute(job: Job, sink: DatabaseSink) -> tuple[dict | None, dict]:
-    """Run the job's config with rlcore; returns (summary, result)."""
+def execute(job: Job, sink: DatabaseSink, engine: str = "local") -> tuple[dict | None, dict]:
+    """Run the job's config with rlcore on inference `engine` (workers/engines.py);
+    returns (summary, result)."""
     config = dict(job.config)
     # Whatever the stored config says, a key only goes where staff declared it may.
     ApiKey.check_use(base_url=config.get("base_url"), env_var=config.get("api_key_env"))
@@ -149,7 +153,8 @@ def execute(job: Job, sink: DatabaseSink) -> tuple[dict | None, dict]:
         from rlcore.evaluate import EvalConfig, format_summary, run_eval
         from rlcore.train.config import build_config
 
-        outcome = run_eval(build_config(EvalConfig, [("job config", config)]), sink)
+        with served_config(job, config, engine) as config:
+            outcome = run_eval(build_config(EvalConfig, [("job config", config)]), sink)
         report = format_summary(outcome.summary, outcome.baselines or None)
         return outcome.summary, {
             "out_dir": outcome.out_dir,
@@ -160,8 +165,9 @@ def execute(job: Job, sink: DatabaseSink) -> tuple[dict | None, dict]:
         from rlcore.train.config import SynthConfig, build_config
         from rlcore.train.synth import run_synth
 
-        stats = run_synth(build_config(SynthConfig, [("job config", config)]), sink)
-        return stats, stats
+        with served_config(job, config, engine) as config:
+            stats = run_synth(build_config(SynthConfig, [("job config", config)]), sink)
+        return stats, dict(stats)
     if job.kind == Job.Kind.SFT:
         from rlcore.train.config import SFTConfig, build_config
         from rlcore.train.sft import run_sft
@@ -172,7 +178,11 @@ def execute(job: Job, sink: DatabaseSink) -> tuple[dict | None, dict]:
         from rlcore.train.config import RLConfig, build_config
         from rlcore.train.grpo import run_rl
 
-        path = run_rl(build_config(RLConfig, [("job config", config)]), sink)
+        rl_config = build_config(RLConfig, [("job config", config)])
+        if trainer_takes_engine():
+            path = run_rl(rl_config, sink, engine=engine)
+        else:
+            path = run_rl(rl_config, sink)
         return dict(sink.last_metrics), {"checkpoint": path}
     raise ValueError(f"job {job.pk} has unknown kind {job.kind!r}; expected eval, synth, sft or rl")
 
@@ -203,7 +213,15 @@ def run_job(self, job_id: int) -> str:
         return "skipped"
     sink = DatabaseSink(job, heartbeat_seconds=settings.JOB_HEARTBEAT_SECONDS).start()
     try:
-        summary, result = execute(job, sink)
+        engine, why = job_engine(job, job.config)
+        Job.objects.filter(pk=job_id).update(engine_used=engine)
+        job.engine_used = engine
+        if why:
+            sink.log(f"engine: {engine}, not the {job.engine} asked for: {why}", "warning")
+        else:
+            sink.log(f"engine: {engine}")
+        summary, result = execute(job, sink, engine)
+        result = {**result, "engine": engine}
         sink.close()
     except Exception as exc:
         error = text_safe(f"{type(exc).__name__}: {exc}")
@@ -292,12 +310,19 @@ def jobs_resend_queued(*, hostname: str = "") -> list[int]:
     return resent
 
 
-def _watchdog(hostname: str, stop: threading.Event) -> None:
-    """Every WORKER_WATCHDOG_SECONDS: reap lost jobs, re-send queued ones. Runs in each
-    worker's main process, beside the pool, so busy pool processes do not delay it; two
-    workers doing it at once is harmless (both updates are conditional)."""
+def _watchdog(hostname: str, stop: threading.Event, reporter: NodeReporter) -> None:
+    """Every WORKER_WATCHDOG_SECONDS: heartbeat this node, mark silent nodes gone, reap
+    lost jobs, re-send queued ones. Runs in each worker's main process, beside the pool, so
+    busy pool processes do not delay it; two workers doing it at once is harmless (every
+    update is conditional)."""
     while not stop.wait(settings.WORKER_WATCHDOG_SECONDS):
-        for sweep in (jobs_reap_lost, lambda: jobs_resend_queued(hostname=hostname)):
+        sweeps = (
+            reporter.beat,
+            nodes_mark_gone,
+            jobs_reap_lost,
+            lambda: jobs_resend_queued(hostname=hostname),
+        )
+        for sweep in sweeps:
             try:
                 sweep()
             except Exception as exc:  # the database or the broker is away: try next time
@@ -308,14 +333,27 @@ def _watchdog(hostname: str, stop: threading.Event) -> None:
 _watchdog_stop = threading.Event()
 
 
+def _consumer_facts(consumer) -> dict:
+    """The node's facts (workers/nodes.py) with the queues and pool size of `consumer`."""
+    queues = list(consumer.app.amqp.queues.consume_from or consumer.app.amqp.queues)
+    concurrency = getattr(consumer.controller, "concurrency", 0) or 0
+    return node_facts(queues=queues, concurrency=concurrency)
+
+
 @signals.worker_ready.connect
 def fail_jobs_left_running(sender=None, **kwargs) -> None:
     """A worker starting under a hostname that still has running jobs was restarted
-    while running them: those jobs are lost. Then queued jobs the broker lost are sent
-    again, and the watchdog starts."""
+    while running them: those jobs are lost. Then the node announces itself (host,
+    queues, GPUs, versions), queued jobs the broker lost are sent again, and the watchdog
+    starts."""
     hostname = getattr(sender, "hostname", "")
     if not hostname:
         return
+    reporter = NodeReporter(hostname, _consumer_facts(sender))
+    try:
+        reporter.announce()
+    except Exception as exc:  # the database is away: the watchdog's heartbeat announces it
+        logger.warning("worker %s announce: %s: %s", hostname, type(exc).__name__, exc)
     try:
         for job_id in Job.objects.filter(status=Job.Status.RUNNING, worker=hostname).values_list(
             "pk", flat=True
@@ -330,10 +368,32 @@ def fail_jobs_left_running(sender=None, **kwargs) -> None:
         # Pool processes forked later must not share this process's database socket.
         connection.close()
     threading.Thread(
-        target=_watchdog, args=(hostname, _watchdog_stop), name="rllab-watchdog", daemon=True
+        target=_watchdog,
+        args=(hostname, _watchdog_stop, reporter),
+        name="rllab-watchdog",
+        daemon=True,
     ).start()
 
 
 @signals.worker_shutdown.connect
 def stop_watchdog(sender=None, **kwargs) -> None:
+    """The watchdog stops, Play's model servers stop, and the node says it stopped (not
+    gone: it was not lost)."""
     _watchdog_stop.set()
+    play_servers.stop_all()
+    hostname = getattr(sender, "hostname", "")
+    if not hostname:
+        return
+    try:
+        close_old_connections()
+        node_stop(name=hostname)
+    except Exception as exc:  # the database is away: the node is marked gone later instead
+        logger.warning("worker %s stop: %s: %s", hostname, type(exc).__name__, exc)
+    finally:
+        connection.close()
+
+
+@signals.worker_process_shutdown.connect
+def stop_play_servers(**kwargs) -> None:
+    """A pool process that served Play moves with vllm stops its servers as it exits."""
+    play_servers.stop_all()

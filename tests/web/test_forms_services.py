@@ -184,7 +184,7 @@ def test_job_form_only_offers_the_users_own_configs_and_models(alice, bob, ttt_c
 
 
 def test_job_create_stores_the_resolved_config_and_picks_the_queue(
-    alice, ttt_config, tiny, django_capture_on_commit_callbacks
+    alice, ttt_config, tiny, gpu_node, django_capture_on_commit_callbacks
 ):
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         job = services.job_create(

@@ -1,6 +1,6 @@
 """The admin: jobs with status/kind/owner/worker filters, a duration column and the
-cancel, retry and requeue actions (the same services the pages use); the rest browsable,
-rollouts and log lines read-only."""
+cancel, retry and requeue actions (the same services the pages use); worker nodes with
+what each runs now; the rest browsable, rollouts and log lines read-only."""
 
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
@@ -15,7 +15,9 @@ from webapp.jobs.models import (
     Metric,
     ModelEntry,
     Rollout,
+    WorkerNode,
 )
+from webapp.jobs.nodes import nodes_mark_gone
 
 
 @admin.register(Job)
@@ -27,11 +29,13 @@ class JobAdmin(admin.ModelAdmin):
         "owner",
         "worker",
         "queue",
+        "gpus",
+        "engine_used",
         "title",
         "created",
         "duration",
     )
-    list_filter = ("status", "kind", "owner", "worker", "queue")
+    list_filter = ("status", "kind", "owner", "worker", "queue", "engine_used")
     search_fields = ("id", "worker", "error", "celery_task_id")
     readonly_fields = ("created", "started", "finished", "heartbeat", "celery_task_id", "last_step")
     raw_id_fields = ("env_config", "model", "parent_checkpoint")
@@ -132,3 +136,43 @@ class MetricAdmin(ReadOnlyAdmin):
     list_display = ("id", "job", "step", "name", "value", "created")
     search_fields = ("name",)
     raw_id_fields = ("job",)
+
+
+@admin.register(WorkerNode)
+class WorkerNodeAdmin(admin.ModelAdmin):
+    """Worker nodes as they announced themselves; a silent one is marked gone when the
+    list loads (and by every worker's watchdog)."""
+
+    list_display = (
+        "name",
+        "status",
+        "host",
+        "queue_list",
+        "gpu_list",
+        "running",
+        "last_seen",
+        "commit",
+    )
+    list_filter = ("status", "host")
+    search_fields = ("name", "host")
+    readonly_fields = ("started", "last_seen", "ended", "pid", "versions", "gpus", "engines")
+
+    def changelist_view(self, request, extra_context=None):
+        nodes_mark_gone()
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="queues")
+    def queue_list(self, node: WorkerNode) -> str:
+        return ", ".join(node.queues)
+
+    @admin.display(description="GPUs")
+    def gpu_list(self, node: WorkerNode) -> str:
+        return ", ".join(f"{gpu['name']} ({gpu['total_gib']:.0f} GiB)" for gpu in node.gpus) or "–"
+
+    @admin.display(description="running now")
+    def running(self, node: WorkerNode) -> str:
+        return ", ".join(f"#{pk}" for pk in node.running_jobs().values_list("pk", flat=True)) or "–"
+
+    @admin.display(description="commit")
+    def commit(self, node: WorkerNode) -> str:
+        return node.versions.get("commit", "")

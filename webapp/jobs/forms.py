@@ -15,6 +15,7 @@ from rlcore.envs import ParamError, get_env_class
 from rlcore.train.config import config_schema
 from webapp.jobs import services
 from webapp.jobs.models import ApiKey, EnvironmentConfig, ModelEntry
+from webapp.jobs.nodes import NEEDS_KEYS, needs_schema
 from webapp.jobs.selectors import FACT_PREFIX, FactFilter, RolloutFilters
 from webapp.jobs.validation import looks_like_secret
 
@@ -298,6 +299,15 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             self.settings.append(row["name"])
             if row["type"].startswith("list"):
                 self.lists.add(row["name"])
+        # What the job needs of its node: the lab's settings, beside rlcore's.
+        for row in needs_schema():
+            if kind == "sft" and row["name"] == "engine":
+                continue  # SFT samples nothing
+            field = setting_field(row)
+            field.required = False  # blank: the default (a CPU job on the local engine)
+            field.initial = row["default"]
+            self.fields[row["name"]] = field
+            self.settings.append(row["name"])
 
     @staticmethod
     def dataset_field(user) -> forms.ChoiceField:
@@ -324,8 +334,12 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         return self._bound(FEATURED[self.kind])
 
     @property
+    def needs_fields(self):
+        return self._bound(NEEDS_KEYS)
+
+    @property
     def more_fields(self):
-        shown = {*COMMON, *FEATURED[self.kind]}
+        shown = {*COMMON, *FEATURED[self.kind], *NEEDS_KEYS}
         return self._bound([name for name in self.settings if name not in shown])
 
     def add_service_error(self, error: ValidationError) -> None:

@@ -213,6 +213,16 @@ class Job(models.Model):
     heartbeat = models.DateTimeField(
         null=True, blank=True, help_text="Last time the worker reported anything."
     )
+    gpus = models.PositiveSmallIntegerField(default=0, help_text="GPUs the job asked for.")
+    gpu_memory_gib = models.FloatField(
+        default=0.0, help_text="The memory each of its GPUs must have, in GiB (0: any)."
+    )
+    engine = models.CharField(
+        max_length=10, default="local", help_text="The inference engine the job asked for."
+    )
+    engine_used = models.CharField(
+        max_length=10, blank=True, help_text="The inference engine that ran it."
+    )
 
     class Meta:
         ordering = ["-created"]
@@ -285,6 +295,18 @@ class Job(models.Model):
             return 1.0 if self.status == self.Status.SUCCEEDED else 0.0
         return min(1.0, self.progress_done / self.progress_total)
 
+    def needs_dict(self) -> dict:
+        """What the job asked to run on: GPUs, their memory, the inference engine."""
+        return {"gpus": self.gpus, "gpu_memory_gib": self.gpu_memory_gib, "engine": self.engine}
+
+    @property
+    def needs_text(self) -> str:
+        """ "CPU", "1 GPU", "2 GPUs of at least 40 GiB"."""
+        if not self.gpus:
+            return "CPU"
+        text = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}"
+        return text + (f" of at least {self.gpu_memory_gib:g} GiB" if self.gpu_memory_gib else "")
+
     def progress_dict(self) -> dict:
         return {
             "done": self.progress_done,
@@ -307,6 +329,8 @@ class Job(models.Model):
             "attempt": self.attempt,
             "worker": self.worker,
             "queue": self.queue,
+            "needs": self.needs_dict(),
+            "engine_used": self.engine_used,
             "progress": self.progress_dict(),
             "last_step": self.last_step,
             "cancel_requested": self.cancel_requested,
@@ -467,4 +491,92 @@ class LogLine(models.Model):
             "created": self.created.isoformat(),
             "level": self.level,
             "message": self.message,
+        }
+
+
+class WorkerNode(models.Model):
+    """A Celery worker as it announced itself: where it runs, which queues it serves, its
+    GPUs and software, and when it was last heard from.
+
+    A worker announces itself when it is ready and heartbeats from its watchdog thread
+    (workers/nodes.py); one that stops cleanly says so. A node silent for
+    NODE_LOST_SECONDS is gone: the watchdogs of the others mark it, and so does the Nodes
+    page when it loads. `name` is the Celery node name (`jobs@host`), the same name a
+    job's `worker` field holds.
+    """
+
+    class Status(models.TextChoices):
+        LIVE = "live", "live"
+        STOPPED = "stopped", "stopped"
+        GONE = "gone", "gone"
+
+    name = models.CharField(max_length=200, unique=True)
+    host = models.CharField(max_length=200)
+    queues = models.JSONField(default=list)
+    concurrency = models.IntegerField(default=0)
+    gpus = models.JSONField(
+        default=list, blank=True, help_text="[{index, name, total_gib, free_gib}] per GPU."
+    )
+    versions = models.JSONField(default=dict, blank=True)
+    engines = models.JSONField(default=list, blank=True, help_text="Inference engines it can run.")
+    checkpoint_root = models.CharField(max_length=500, blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.LIVE)
+    started = models.DateTimeField(default=timezone.now)
+    last_seen = models.DateTimeField(default=timezone.now)
+    ended = models.DateTimeField(
+        null=True, blank=True, help_text="When it stopped or was marked gone."
+    )
+
+    class Meta:
+        ordering = ["status", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def silent_seconds(self) -> float:
+        return (timezone.now() - self.last_seen).total_seconds()
+
+    @property
+    def is_live(self) -> bool:
+        """Live and heard from within NODE_LOST_SECONDS."""
+        return self.status == self.Status.LIVE and self.silent_seconds < settings.NODE_LOST_SECONDS
+
+    def gpu_queues(self) -> list[str]:
+        return [queue for queue in self.queues if queue.startswith("gpu")]
+
+    def cannot_serve(self, *, gpus: int, gpu_memory_gib: float) -> str | None:
+        """Why this node cannot run a job needing `gpus` GPUs of at least `gpu_memory_gib`
+        GiB each (None when it can). Cards count by their size, not their free memory:
+        what is free changes with every job."""
+        if gpus == 0:
+            return None if "cpu" in self.queues else "serves no cpu queue"
+        if not self.gpu_queues():
+            return f"serves no gpu queue (queues {', '.join(self.queues) or 'none'})"
+        big_enough = [gpu for gpu in self.gpus if gpu.get("total_gib", 0) >= gpu_memory_gib]
+        if len(big_enough) < gpus:
+            cards = ", ".join(f"{g['name']} {g['total_gib']:.0f} GiB" for g in self.gpus)
+            return f"has {len(big_enough)} such GPU(s) ({cards or 'no GPU'})"
+        return None
+
+    def running_jobs(self):
+        return Job.objects.filter(worker=self.name, status=Job.Status.RUNNING)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "host": self.host,
+            "status": self.status,
+            "live": self.is_live,
+            "queues": self.queues,
+            "concurrency": self.concurrency,
+            "gpus": self.gpus,
+            "versions": self.versions,
+            "engines": self.engines,
+            "checkpoint_root": self.checkpoint_root,
+            "started": self.started.isoformat(),
+            "last_seen": self.last_seen.isoformat(),
+            "ended": self.ended.isoformat() if self.ended else None,
+            "running_jobs": list(self.running_jobs().values_list("pk", flat=True)),
         }

@@ -44,6 +44,7 @@ from webapp.jobs.models import (
     ModelEntry,
     Rollout,
 )
+from webapp.jobs.nodes import NEEDS_KEYS, JobNeeds, needs_resolve, queue_for_needs
 from webapp.jobs.validation import json_loads, json_value, refuse_secret
 
 RECIPE_DIR = settings.BASE_DIR / "recipes" / "tictactoe_tiny"
@@ -108,19 +109,31 @@ def env_examples_preview(
 # Models
 
 
+def _job_roots() -> list[Path]:
+    """The directories holding one folder per job: RUNS_DIR and CHECKPOINT_ROOT."""
+    roots = (settings.RUNS_DIR, settings.CHECKPOINT_ROOT)
+    return list(dict.fromkeys(Path(root).expanduser().resolve() for root in roots))
+
+
 def shared_roots() -> list[Path]:
     """The configured directories (MODEL_ROOTS) every user may read models and data from,
-    less the runs directory, whose job folders belong each to its job's owner."""
-    runs = Path(settings.RUNS_DIR).expanduser().resolve()
+    less the runs and checkpoint directories, whose job folders belong each to its job's
+    owner."""
+    job_roots = _job_roots()
     roots = [Path(root).expanduser().resolve() for root in settings.MODEL_ROOTS]
-    return [root for root in roots if root != runs]
+    return [root for root in roots if root not in job_roots]
 
 
 def _own_run_dirs(owner) -> list[Path]:
-    runs = Path(settings.RUNS_DIR).expanduser().resolve()
-    return [
-        runs / f"job-{pk}" for pk in Job.objects.filter(owner=owner).values_list("pk", flat=True)
-    ]
+    pks = list(Job.objects.filter(owner=owner).values_list("pk", flat=True))
+    return [root / f"job-{pk}" for root in _job_roots() for pk in pks]
+
+
+def job_output_dir(kind: str, job_id: int) -> Path:
+    """Where a job writes: SFT and RL (checkpoints) under CHECKPOINT_ROOT, the shared path
+    every node reads checkpoints from; eval and synth under RUNS_DIR."""
+    root = settings.CHECKPOINT_ROOT if kind in ("sft", "rl") else settings.RUNS_DIR
+    return Path(root) / f"job-{job_id}"
 
 
 MAX_PATH_CHARS = 1024
@@ -130,7 +143,8 @@ def path_confine(
     *, location: str, owner, what: str = "model directory", is_file: bool = False
 ) -> str:
     """`location` resolved (symlinks followed) if `owner` may use it: under the folder of
-    one of their own jobs (RUNS_DIR/job-N) or under a shared root (MODEL_ROOTS). The one
+    one of their own jobs (RUNS_DIR/job-N, CHECKPOINT_ROOT/job-N) or under a shared root
+    (MODEL_ROOTS). The one
     check for every path a user can name: model directories, datasets, resume_from.
 
     Jobs run on workers with the lab's permissions, so a path elsewhere is refused with
@@ -419,8 +433,19 @@ def job_config_resolve(
     return config
 
 
-def _queue_for(config: dict) -> str:
-    return "gpu" if str(config.get("device", "auto")).startswith("cuda") else "cpu"
+def job_needs_split(options: dict, overrides: str) -> tuple[dict, str, dict]:
+    """The options and override lines without the job's needs (gpus, gpu_memory_gib,
+    engine: settings of the lab, not of rlcore's config), and the needs they gave."""
+    options = dict(options)
+    needs = {key: options.pop(key) for key in NEEDS_KEYS if key in options}
+    kept = []
+    for line in overrides.splitlines():
+        key, sep, raw = line.partition("=")
+        if sep and key.strip() in NEEDS_KEYS:
+            needs[key.strip()] = _parse_overrides(line)[key.strip()]
+        else:
+            kept.append(line)
+    return options, "\n".join(kept), needs
 
 
 def _enqueue_on_commit(job: Job) -> None:
@@ -441,13 +466,18 @@ def job_create(
     overrides: str = "",
     parent_checkpoint: Checkpoint | None = None,
 ) -> Job:
-    """Resolve the job's config, store it, and queue the job (cpu, or gpu for cuda)."""
+    """Resolve the job's config and what it needs (gpus, gpu_memory_gib, engine, among
+    the options or overrides), store them, and queue the job on a queue that can serve it
+    (cpu, or a gpu queue whose live nodes have the GPUs); ValidationError naming the field
+    when no live node can."""
+    options, overrides, asked = job_needs_split(options or {}, overrides)
+    needs = needs_resolve(asked, kind=kind)
     config = job_config_resolve(
         owner=owner,
         kind=kind,
         env_config=env_config,
         model=model,
-        options=options or {},
+        options=options,
         overrides=overrides,
     )
     if parent_checkpoint is None and model.kind == ModelEntry.Kind.CHECKPOINT:
@@ -456,13 +486,21 @@ def job_create(
         owner=owner,
         kind=kind,
         config=config,
+        needs=needs,
         env_config=env_config,
         model=model,
         parent_checkpoint=parent_checkpoint,
     )
 
 
-def _job_insert(*, owner, kind, config, env_config, model, parent_checkpoint, retry_of=None) -> Job:
+def _job_needs(job: Job) -> JobNeeds:
+    return JobNeeds(gpus=job.gpus, gpu_memory_gib=job.gpu_memory_gib, engine=job.engine)
+
+
+def _job_insert(
+    *, owner, kind, config, needs: JobNeeds, env_config, model, parent_checkpoint, retry_of=None
+) -> Job:
+    queue = queue_for_needs(needs, device=config.get("device", "auto"))
     with transaction.atomic():
         job = Job.objects.create(
             retry_of=retry_of,
@@ -472,11 +510,14 @@ def _job_insert(*, owner, kind, config, env_config, model, parent_checkpoint, re
             env_config=env_config,
             model=model,
             parent_checkpoint=parent_checkpoint,
-            queue=_queue_for(config),
+            queue=queue,
+            gpus=needs.gpus,
+            gpu_memory_gib=needs.gpu_memory_gib,
+            engine=needs.engine,
             celery_task_id=str(uuid.uuid4()),
         )
         # Each job writes under its own directory, named after its id.
-        job.config[OUTPUT_KEYS[kind]] = str(Path(settings.RUNS_DIR) / f"job-{job.pk}")
+        job.config[OUTPUT_KEYS[kind]] = str(job_output_dir(kind, job.pk))
         job.save(update_fields=["config"])
         _enqueue_on_commit(job)
     return job
@@ -528,6 +569,7 @@ def job_retry(*, job: Job) -> Job:
         owner=job.owner,
         kind=job.kind,
         config=config,
+        needs=_job_needs(job),
         env_config=job.env_config,
         model=job.model,
         parent_checkpoint=last or job.parent_checkpoint,
@@ -541,10 +583,13 @@ def job_requeue(*, job: Job) -> Job:
     made from them keep working), and the new attempt writes into a folder of its own."""
     if job.status == Job.Status.RUNNING:
         raise ValidationError(f"job #{job.pk} is running; cancel it before requeueing")
+    # The nodes may have changed since: the job goes where it can run now.
+    queue = queue_for_needs(_job_needs(job), device=job.config.get("device", "auto"))
     with transaction.atomic():
         job.attempt += 1
+        job.queue = queue
         job.config[OUTPUT_KEYS[job.kind]] = str(
-            Path(settings.RUNS_DIR) / f"job-{job.pk}" / f"attempt-{job.attempt}"
+            job_output_dir(job.kind, job.pk) / f"attempt-{job.attempt}"
         )
         Metric.objects.filter(job=job).delete()
         Rollout.objects.filter(job=job).delete()
@@ -555,6 +600,7 @@ def job_requeue(*, job: Job) -> Job:
         job.worker = ""
         job.summary = job.result = job.last_step = job.started = job.finished = None
         job.heartbeat = None
+        job.engine_used = ""
         job.progress_done = job.progress_total = 0
         job.progress_desc = ""
         job.celery_task_id = str(uuid.uuid4())

@@ -25,4 +25,5 @@ urlpatterns = [
     path("jobs/<int:pk>/rollouts/compare/", views.rollout_compare, name="rollout_compare"),
     path("jobs/<int:pk>/rollouts/<int:rollout_id>/", views.rollout_detail, name="rollout_detail"),
     path("compare/", views.compare, name="compare"),
+    path("nodes/", views.node_list, name="node_list"),
 ]

@@ -22,7 +22,8 @@ from rlcore.envs import ParamError, get_env_class, list_environments
 from rlcore.types import jsonl_line
 from webapp.jobs import presenters, selectors, services
 from webapp.jobs.forms import EnvConfigForm, JobForm, ModelEntryForm, RolloutFilterForm
-from webapp.jobs.models import Job, ModelEntry
+from webapp.jobs.models import Job, ModelEntry, WorkerNode
+from webapp.jobs.nodes import nodes_overview
 from webapp.jobs.services import CONFIG_CLASSES
 from webapp.jobs.validation import ids_from
 
@@ -288,6 +289,7 @@ def job_detail(request, pk: int):
             "synth": job.result if job.kind == Job.Kind.SYNTH and job.result else None,
             "report": (job.result or {}).get("report", ""),
             "checkpoints": job.current_checkpoints().select_related("model_entry"),
+            "node": WorkerNode.objects.filter(name=job.worker).first() if job.worker else None,
             "config_json": json.dumps(job.config, indent=2, sort_keys=True),
             "result_json": json.dumps(job.result, indent=2, sort_keys=True) if job.result else "",
         },
@@ -477,3 +479,23 @@ def rollouts_jsonl(request, pk: int):
     response = StreamingHttpResponse(lines, content_type="application/x-ndjson")
     response["Content-Disposition"] = f'attachment; filename="job-{job.pk}-rollouts.jsonl"'
     return response
+
+
+# ---------------------------------------------------------------------------------------
+# Nodes
+
+
+@login_required
+def node_list(request):
+    """Every worker node: live, stopped or gone, its queues, GPUs and software, and the
+    jobs it runs now (by number to whoever may see them, counted for the rest)."""
+    visible = set(selectors.jobs_for_user(request.user).values_list("pk", flat=True))
+    rows = [
+        {
+            "node": row["node"],
+            "jobs": [job for job in row["jobs"] if job.pk in visible],
+            "others": sum(job.pk not in visible for job in row["jobs"]),
+        }
+        for row in nodes_overview()
+    ]
+    return render(request, "jobs/node_list.html", {"rows": rows})
