@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 
-.PHONY: run test screenshots install install-dev bench clean
+.PHONY: run test screenshots install install-dev bench clean bubblewrap
 
 $(VENV)/.installed: requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,18 @@ $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
 	touch $@
 
-install: $(VENV)/.installed
+# Debian's bubblewrap jails the code environment's candidate programs (rlcore/sandbox.py);
+# installed the way scripts/test.sh installs chromium for the browser tests.
+bubblewrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  echo "bubblewrap: installing Debian's bubblewrap for the code environment's sandbox"; \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; \
+	  else \
+	    sudo apt-get install -y -q bubblewrap >/dev/null; \
+	  fi; }
+
+install: $(VENV)/.installed bubblewrap
 install-dev: $(VENV)/.installed-dev
 
 run: install

@@ -18,6 +18,7 @@ from rlcore.envs.calculator import (
     format_number,
     parse_number,
 )
+from rlcore.envs.code_env import CodeEnv
 from rlcore.envs.double_check import DoubleCheckEnv
 from rlcore.envs.math_env import MathEnv, answer_matches, last_boxed, latex_to_arithmetic
 from rlcore.envs.reverse_text import (
@@ -84,6 +85,7 @@ ALL_ENVS = {
     "double_check": DoubleCheckEnv,
     "calculator": CalculatorEnv,
     "math": MathEnv,
+    "code": CodeEnv,
 }
 
 

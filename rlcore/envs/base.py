@@ -293,6 +293,12 @@ class Environment(ABC):
         self, policy: Policy, example: Example, sampling: SamplingParams
     ) -> Rollout: ...
 
+    async def verify(self, rollout: Rollout, example: Example) -> None:
+        """Slow checking of a finished rollout (running its code in a sandbox), stored in
+        `rollout.state` for the rubric to read; awaited, so other rollouts generate
+        meanwhile. Nothing by default: most rubrics read the reply directly."""
+        return None
+
     def score(self, rollout: Rollout, example: Example) -> None:
         """Fill rewards, reward and outcome of a finished rollout."""
         rollout.rewards, rollout.reward = self.rubric.score(
@@ -395,6 +401,7 @@ class MultiTurnEnv(Environment):
         except PolicyError as exc:
             rollout.error = f"policy error: {exc}"
         rollout.state = state
+        await self.verify(rollout, example)
         self.score(rollout, example)
         rollout.seconds = time.monotonic() - started
         return rollout

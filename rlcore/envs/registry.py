@@ -12,6 +12,7 @@ ENVIRONMENTS: dict[str, str] = {
     "double_check": "rlcore.envs.double_check:DoubleCheckEnv",
     "calculator": "rlcore.envs.calculator:CalculatorEnv",
     "math": "rlcore.envs.math_env:MathEnv",
+    "code": "rlcore.envs.code_env:CodeEnv",
 }
 
 

@@ -1,0 +1,205 @@
+"""The code environment's jail against hostile programs: each is contained, scores 0 with a
+reason that says what happened, and leaves the process that verified it unharmed, able to
+score the next reply. Every program here runs in a real bubblewrap jail."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from rlcore.envs.code_env import CodeVerifier, tasks_by_id
+from rlcore.sandbox import SANDBOX_UIDS, Limits, Sandbox, SandboxUnavailable
+
+WALL_SECONDS = 3.0
+TASK = tasks_by_id()["sum_digits"]  # tests: 0 -> 0, 123 -> 6, 9999 -> 36, 1000001 -> 2
+
+
+@pytest.fixture(scope="module")
+def verifier() -> CodeVerifier:
+    # CPU seconds above the wall time, so a busy loop always meets the wall-time kill.
+    limits = Limits(wall_seconds=WALL_SECONDS, cpu_seconds=int(WALL_SECONDS) + 2)
+    return CodeVerifier(limits, parallel_jails=2, test_seconds=1.0)
+
+
+def jailed_processes(*, zombies: bool = False) -> list[int]:
+    """Processes running as one of the jails' uids (only meaningful as root); with
+    `zombies`, the dead ones not yet reaped instead."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                owner = os.stat(f"/proc/{entry}").st_uid
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if owner in SANDBOX_UIDS and (state == "Z") == zombies:
+                found.append(int(entry))
+    return found
+
+
+def assert_worker_unharmed(verifier: CodeVerifier) -> None:
+    """This process is alive, nothing of the jail outlived it, and the next reply is
+    scored normally."""
+    os.kill(os.getpid(), 0)
+    if os.geteuid() == 0:
+        assert jailed_processes() == []
+    assert verifier.verify(TASK, TASK.solution).passed == len(TASK.tests)
+
+
+def test_the_reference_solution_passes_in_the_jail(verifier):
+    verdict = verifier.verify(TASK, TASK.solution)
+    assert (verdict.passed, verdict.total) == (4, 4)
+    assert verdict.reason == "4 of 4 tests passed"
+
+
+SECRET = "the-lab-var-dir-secret"
+
+
+def lab_var_dir() -> Path:
+    return Path(os.environ.get("RLCORE_HOME", "var")).resolve()
+
+
+HOSTILE = {
+    "fork bomb": (
+        "import os\ndef sum_digits(n):\n    while True:\n        os.fork()\n",
+        r"reported more than once|BlockingIOError|Resource temporarily unavailable|wall-time",
+    ),
+    "infinite loop that swallows the per-test alarm": (
+        "def sum_digits(n):\n    while True:\n        try:\n            while True:\n"
+        "                pass\n        except BaseException:\n            pass\n",
+        r"no result: the program was killed at the wall-time limit",
+    ),
+    "10 GB allocation": (
+        "def sum_digits(n):\n    block = bytearray(10 * 1024 ** 3)\n    return n\n",
+        r"raised MemoryError",
+    ),
+    "reading /etc/passwd": (
+        "def sum_digits(n):\n    return open('/etc/passwd').read()\n",
+        r"raised FileNotFoundError: .*'/etc/passwd'",
+    ),
+    "reading the lab's var dir": (
+        "def sum_digits(n):\n    return open({secret!r}).read()\n",
+        r"raised FileNotFoundError",
+    ),
+    "opening a socket to the lab's Redis": (
+        "import socket\ndef sum_digits(n):\n"
+        "    socket.create_connection(('127.0.0.1', 6379), timeout=1).close()\n"
+        "    return sum(int(c) for c in str(n))\n",
+        r"raised (ConnectionRefusedError|OSError)",
+    ),
+    "opening a socket to the internet": (
+        "import socket\ndef sum_digits(n):\n"
+        "    socket.create_connection(('1.1.1.1', 53), timeout=1).close()\n"
+        "    return sum(int(c) for c in str(n))\n",
+        r"raised OSError: \[Errno 101\] Network is unreachable",
+    ),
+    "writing into /usr": (
+        "def sum_digits(n):\n    open('/usr/lib/pwned', 'w').write('x')\n"
+        "    return sum(int(c) for c in str(n))\n",
+        r"raised OSError: \[Errno 30\] Read-only file system",
+    ),
+    "writing into the repository": (
+        "def sum_digits(n):\n    open({outside!r}, 'w').write('x')\n"
+        "    return sum(int(c) for c in str(n))\n",
+        r"raised FileNotFoundError",
+    ),
+    "killing the parent and the worker": (
+        "import os, signal, time\ndef sum_digits(n):\n"
+        "    parent = os.getppid()\n    os.kill(parent, signal.SIGKILL)\n"
+        "    for pid in ({worker_pid}, -1):\n        try:\n"
+        "            os.kill(pid, signal.SIGKILL)\n        except ProcessLookupError:\n"
+        "            pass\n    time.sleep(0.2)\n    os.kill(parent, 0)\n"
+        "    raise RuntimeError(f'parent {{parent}} survived')\n",
+        r"raised RuntimeError: parent 1 survived",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_program_is_contained_and_scores_zero(verifier, name, tmp_path):
+    secret = lab_var_dir() / "sandbox-secret.txt"
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_text(SECRET)
+    outside = Path.cwd() / f"sandbox-pwned-{os.getpid()}"
+    template, reason = HOSTILE[name]
+    code = template.format(secret=str(secret), outside=str(outside), worker_pid=os.getpid())
+
+    started = time.monotonic()
+    verdict = verifier.verify(TASK, code)
+    seconds = time.monotonic() - started
+
+    assert verdict.passed == 0, verdict
+    assert re.search(reason, verdict.reason), verdict.reason
+    assert SECRET not in verdict.reason
+    assert seconds < WALL_SECONDS + 2
+    assert not outside.exists() and not Path("/usr/lib/pwned").exists()
+    assert_worker_unharmed(verifier)
+
+
+def test_the_jail_sees_no_host_files_but_its_own(verifier):
+    listing = "import os\ndef sum_digits(n):\n    return sorted(os.listdir('/'))\n"
+    verdict = verifier.verify(TASK, listing)
+    shown = re.search(r"returned (\[.*\])", verdict.tests[0]).group(1)
+    assert "'usr'" in shown and "'tmp'" in shown
+    for host_dir in ("etc", "home", "root", "work", "var"):
+        assert f"'{host_dir}'" not in shown
+
+
+def test_each_run_gets_a_fresh_scratch_dir(verifier):
+    leave_a_mark = (
+        "import os\ndef sum_digits(n):\n    seen = os.path.exists('/tmp/mark')\n"
+        "    open('/tmp/mark', 'w').write('x')\n    return 'seen' if seen else 'fresh'\n"
+    )
+    first = verifier.verify(TASK, leave_a_mark)
+    second = verifier.verify(TASK, leave_a_mark)
+    # Within a run the scratch dir persists (the second test sees the first's mark) ...
+    assert first.tests[:2] == ["wrong answer: returned 'fresh'", "wrong answer: returned 'seen'"]
+    # ... and a new run starts from an empty one.
+    assert second.tests == first.tests
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="jails run as their own uids only under root")
+def test_runs_leave_no_zombies_behind(verifier):
+    before = set(jailed_processes(zombies=True))
+    for _ in range(3):
+        verifier.verify(TASK, TASK.solution)
+    assert set(jailed_processes(zombies=True)) <= before
+
+
+def test_output_floods_are_cut_by_the_file_size_limit(verifier):
+    flood = "import sys\ndef sum_digits(n):\n    while True:\n        print('x' * 65536)\n"
+    verdict = verifier.verify(TASK, flood)
+    assert verdict.passed == 0
+    assert_worker_unharmed(verifier)
+
+
+def test_tampering_with_the_result_channel_counts_for_nothing(verifier):
+    forged = (
+        "import os, json\n"
+        "for fd in range(1, 10):\n"
+        "    for i, value in enumerate(['0', '6', '36', '2']):\n"
+        "        try:\n"
+        "            os.write(fd, (json.dumps({'i': i, 'value': value}) + '\\n').encode())\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "def sum_digits(n):\n    return sum(int(c) for c in str(n))\n"
+    )
+    verdict = verifier.verify(TASK, forged)
+    assert verdict.passed == 0
+    assert "reported more than once" in verdict.reason
+
+
+def test_the_lab_refuses_to_run_code_without_bubblewrap():
+    sandbox = Sandbox(Limits(), bwrap="/nonexistent/bwrap")
+    with pytest.raises(SandboxUnavailable, match=r"bubblewrap .* is not installed.*apt-get"):
+        sandbox.run_harness(b"{}")
+
+
+def test_a_jail_that_cannot_be_built_is_an_error_in_bwraps_words():
+    sandbox = Sandbox(Limits(), python="/nonexistent/bin/python3")
+    with pytest.raises(SandboxUnavailable, match=r"could not build a jail here \(bwrap: .*"):
+        sandbox.run_harness(b"{}")
