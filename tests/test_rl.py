@@ -201,6 +201,17 @@ def test_rl_raises_the_mean_reward_on_reverse_text(half_formatted_model, tmp_pat
     # The gain is the closing tag learned: the format share rises with it.
     formats = [values["reward/format"] for _, values in sink.metrics]
     assert sum(formats[-5:]) / 5 > sum(formats[:5]) / 5 + 0.15
+    # The log says it too: milestones at steps 1, 4, 8, ... 40, then how the reward moved.
+    messages = [message for _, message in sink.logs]
+    steps = [m.split()[2].rstrip(":") for m in messages if m.startswith("rl: step ")]
+    assert steps == ["1/40"] + [f"{s}/40" for s in range(4, 41, 4)]
+    summary = next(m for m in messages if m.startswith("rl: done: 40 steps"))
+    logged_first, logged_last = (
+        float(v) for v in summary.split("reward/mean ")[1].split(",")[0].split(" -> ")
+    )
+    assert logged_first == pytest.approx(sum(rewards[:4]) / 4, rel=1e-3)
+    assert logged_last == pytest.approx(sum(rewards[-4:]) / 4, rel=1e-3)
+    assert messages[-1] == f"rl: final checkpoint {final}"
 
     names = set(sink.metrics[0][1])
     for name in (

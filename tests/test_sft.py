@@ -156,6 +156,10 @@ def test_sft_lowers_the_loss_and_saves_a_loadable_checkpoint(tiny_model, tmp_pat
     assert {"optim/grad_norm", "perf/tokens_per_s", "perf/step_seconds"} <= set(sink.metrics[0][1])
     assert sink.checkpoints == [(20, str(tmp_path / "sft" / "step_000020")), (40, final)]
     assert sink.progress_events[-1] == (40, 40, "sft")
+    messages = [message for _, message in sink.logs]
+    assert sum(m.startswith("sft: step ") for m in messages) == 11  # 1, 4, 8, ..., 40
+    assert messages[-2].startswith("sft: done: 40 steps") and "loss/sft" in messages[-2]
+    assert messages[-1] == f"sft: final checkpoint {final}"
     assert json.loads((tmp_path / "sft" / "config.json").read_text())["max_steps"] == 40
     assert (
         json.loads((tmp_path / "sft" / "final" / "train_config.json").read_text())["optimizer"][

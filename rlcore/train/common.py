@@ -231,3 +231,54 @@ def changed_settings(path: str | Path, cfg, resumable: set[str]) -> list[str]:
     saved = flatten_settings(json.loads((Path(path) / "train_config.json").read_text()))
     current = flatten_settings(cfg.to_dict())
     return sorted(k for k in current if k not in resumable and saved.get(k) != current[k])
+
+
+class Milestones:
+    """What a long run says in its log besides its metrics: a line at its first step, about
+    every tenth of the run and at its last (step, the `keys` it reported, seconds a step),
+    and a closing summary of how those moved (the mean of the first tenth of the steps
+    against the last tenth's). `keys` may end in "*": every metric with that prefix."""
+
+    def __init__(self, sink, prefix: str, first_step: int, total_steps: int, keys: list[str]):
+        self.sink, self.prefix, self.keys = sink, prefix, keys
+        self.first_step, self.total_steps = first_step, total_steps
+        self.every = max(1, (total_steps - first_step + 1) // 10)
+        self.first: dict[str, list[float]] = {}
+        self.last: dict[str, list[float]] = {}
+        self.steps, self.seconds = 0, 0.0
+
+    def _picked(self, metrics: dict) -> dict[str, float]:
+        return {
+            name: value
+            for name, value in metrics.items()
+            for key in self.keys
+            if name == key or (key.endswith("*") and name.startswith(key[:-1]))
+        }
+
+    def step(self, step: int, metrics: dict, seconds: float) -> None:
+        picked = self._picked(metrics)
+        self.steps += 1
+        self.seconds += seconds
+        for name, value in picked.items():
+            if self.steps <= self.every:
+                self.first.setdefault(name, []).append(value)
+            window = self.last.setdefault(name, [])
+            window.append(value)
+            del window[: -self.every]
+        if step == self.first_step or step % self.every == 0 or step == self.total_steps:
+            values = " ".join(f"{name}={value:.4g}" for name, value in picked.items())
+            self.sink.log(
+                f"{self.prefix}: step {step}/{self.total_steps}: {values} ({seconds:.2f} s/step)"
+            )
+
+    def summary(self) -> None:
+        moved = ", ".join(
+            f"{name} {np.mean(self.first[name]):.4g} -> {np.mean(values):.4g}"
+            for name, values in self.last.items()
+            if name in self.first
+        )
+        mean = self.seconds / max(self.steps, 1)
+        self.sink.log(
+            f"{self.prefix}: done: {self.steps} steps in {self.seconds:.1f} s ({mean:.2f} s/step); "
+            f"first tenth -> last tenth: {moved or 'no metrics'}"
+        )

@@ -48,6 +48,7 @@ from rlcore.train.advantages import (
     turn_reward_advantages,
 )
 from rlcore.train.common import (
+    Milestones,
     autocast,
     build_optimizer,
     changed_settings,
@@ -443,6 +444,9 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
         )
         return path
 
+    milestones = Milestones(
+        sink, "rl", start_step + 1, cfg.max_steps, ["reward/mean", "outcome/*", "loss/policy"]
+    )
     outcome_labels: set[str] = set()  # every label seen so far, reported even at rate 0
     pieces: dict[int, str] = {}  # token id -> text, for think_length
     loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
@@ -512,6 +516,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
                 "perf/train_seconds": time.monotonic() - train_started,
             }
             sink.metric(step, metrics)
+            milestones.step(step, metrics, step_seconds)
             if cfg.log_rollouts:
                 sink.rollouts(
                     step, rollout_sample(rollouts, cfg.rollouts_per_example, cfg.log_rollouts)
@@ -528,5 +533,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
         loop.close()
 
     path = checkpoint(cfg.max_steps, output_dir / "final")
+    milestones.summary()
     sink.log(f"rl: final checkpoint {path}")
     return path

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from rlcore.events import EventSink, NullSink
 from rlcore.train.common import (
+    Milestones,
     autocast,
     build_optimizer,
     checkpoint_dir,
@@ -216,6 +217,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         sink.log(f"sft: stopped on request {where}; checkpoint {path}", "warning")
         return path
 
+    milestones = Milestones(sink, "sft", 1, total_steps, ["loss/sft"])
     for step in range(1, total_steps + 1):
         if sink.should_stop():
             return stop(step, f"after step {step - 1}")
@@ -266,6 +268,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
                 "perf/step_seconds": seconds,
             },
         )
+        milestones.step(step, {"loss/sft": total_loss}, seconds)
         sink.progress(step, total_steps, "sft")
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
             path = save_checkpoint(model, tokenizer, cfg, checkpoint_dir(output_dir, step))
@@ -273,5 +276,6 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
 
     path = save_checkpoint(model, tokenizer, cfg, output_dir / "final")
     sink.checkpoint(total_steps, path)
+    milestones.summary()
     sink.log(f"sft: final checkpoint {path}")
     return path
