@@ -331,6 +331,7 @@ def _watchdog(hostname: str, stop: threading.Event, reporter: NodeReporter) -> N
 
 
 _watchdog_stop = threading.Event()
+_watchdog_threads: list[threading.Thread] = []
 
 
 def _consumer_facts(consumer) -> dict:
@@ -367,12 +368,15 @@ def fail_jobs_left_running(sender=None, **kwargs) -> None:
     finally:
         # Pool processes forked later must not share this process's database socket.
         connection.close()
-    threading.Thread(
-        target=_watchdog,
-        args=(hostname, _watchdog_stop, reporter),
-        name="rllab-watchdog",
-        daemon=True,
-    ).start()
+    _watchdog_threads.append(
+        threading.Thread(
+            target=_watchdog,
+            args=(hostname, _watchdog_stop, reporter),
+            name="rllab-watchdog",
+            daemon=True,
+        )
+    )
+    _watchdog_threads[-1].start()
 
 
 @signals.worker_shutdown.connect
@@ -380,6 +384,8 @@ def stop_watchdog(sender=None, **kwargs) -> None:
     """The watchdog stops, Play's model servers stop, and the node says it stopped (not
     gone: it was not lost)."""
     _watchdog_stop.set()
+    for thread in _watchdog_threads:
+        thread.join(timeout=30)  # a heartbeat in flight must not mark the node live again
     play_servers.stop_all()
     hostname = getattr(sender, "hostname", "")
     if not hostname:
