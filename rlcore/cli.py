@@ -1,5 +1,6 @@
 """The `python -m rlcore` command line, in the habits of verifiers' `vf-eval`.
 
+`audit ENV` runs the verifier checklist (rlcore/audit.py) and writes its JSON report.
 `eval ENV --model MODEL` runs an evaluation with a progress bar on stderr, prints the
 summary tables to stdout and writes results.jsonl + metadata.json under
 `runs/eval/<env>--<model>--<timestamp>/`; `envs` lists the environments and their typed
@@ -25,6 +26,7 @@ from rlcore.policy import PolicyError
 
 PROG = "python -m rlcore"
 DEFAULT_EVAL_ROOT = Path("runs") / "eval"
+DEFAULT_AUDIT_ROOT = Path("runs") / "audit"
 TRAIN_COMMANDS = ("synth", "sft", "rl")
 
 USAGE_ERROR = 2
@@ -119,6 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 
+    au = commands.add_parser(
+        "audit", help="check an environment's verifier: exploits, format brittleness, throughput"
+    )
+    au.add_argument("env", metavar="ENV", help="environment name (see `envs`)")
+    au.add_argument("-a", "--env-args", default="{}", metavar="JSON", help="env parameters")
+    au.add_argument("-n", "--num-examples", type=_bounded(int, 1, 1000), default=16)
+    au.add_argument("--seed", type=int, default=0, help="dataset seed")
+    au.add_argument(
+        "--rollouts-per-step",
+        type=_bounded(int, 1),
+        default=64,
+        help="rollouts an RL step verifies (examples x rollouts per example)",
+    )
+    au.add_argument(
+        "--step-seconds",
+        type=_bounded(float, 0.0, low_inclusive=False),
+        help="seconds an RL step takes without verification, to compare against",
+    )
+    au.add_argument(
+        "--out",
+        metavar="FILE",
+        help=f"JSON report path (default {DEFAULT_AUDIT_ROOT}/<env>--<timestamp>.json)",
+    )
+
     commands.add_parser("envs", help="list environments and their parameters")
     commands.add_parser("serve", help="OpenAI-compatible server for a checkpoint", add_help=False)
     for kind in TRAIN_COMMANDS:
@@ -205,6 +231,39 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rlcore.audit import format_report, run_audit, timestamp
+    from rlcore.envs import ParamError, load_environment
+
+    try:
+        env_args = _parse_env_args(args.env_args)
+        env = load_environment(args.env, **env_args)
+    except EvalConfigError as exc:
+        return _fail("audit", str(exc))
+    except KeyError as exc:
+        return _fail("audit", str(exc.args[0]))
+    except ParamError as exc:
+        return _fail("audit", f"bad environment parameters: {exc}")
+    report = asyncio.run(
+        run_audit(
+            env,
+            env_name=args.env,
+            num_examples=args.num_examples,
+            seed=args.seed,
+            rollouts_per_step=args.rollouts_per_step,
+            step_seconds=args.step_seconds,
+        )
+    )
+    out = Path(args.out) if args.out else DEFAULT_AUDIT_ROOT / f"{args.env}--{timestamp()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_dict(), indent=2))
+    print(format_report(report))
+    print(f"\nreport: {out}")
+    return 0 if report.passed else 1
+
+
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
@@ -260,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"{PROG} eval: interrupted", file=sys.stderr)
             return 130
+    if args.command == "audit":
+        return cmd_audit(args)
     if args.command == "envs":
         return cmd_envs()
     parser.print_help(sys.stderr)

@@ -284,6 +284,21 @@ class Environment(ABC):
         """Players the env provides itself, by name (e.g. oracle, random)."""
         return {"constant": ConstantPolicy}
 
+    def known_exploits(self) -> dict[str, Callable[[], Policy]]:
+        """Players that try this env's known ways to earn reward without doing the task;
+        `python -m rlcore audit` checks each scores near the floor. None by default."""
+        return {}
+
+    def format_variants(self) -> dict[str, Callable[[str], str]]:
+        """Rewrites of a correct reply into equivalent forms (1/2 for \\frac{1}{2}) that
+        must score alike; the audit adds generic ones (whitespace, line ends)."""
+        return {}
+
+    @property
+    def verify_parallelism(self) -> int:
+        """How many rollouts this env verifies at once (the audit's throughput check)."""
+        return 1
+
     # -- shared --------------------------------------------------------------------------
     def examples(self, n: int, seed: int = 0, offset: int = 0) -> list[Example]:
         return [self.make_example(offset + i, seed) for i in range(n)]

@@ -130,8 +130,8 @@ def tasks_by_id() -> dict[str, CodeTask]:
 
 def extract_code(text: str | None) -> str | None:
     """The last complete fenced code block after any think block, or None."""
-    answer = ThinkParser().answer(text)
-    blocks = _FENCE_RE.findall(answer or "")
+    answer = (ThinkParser().answer(text) or "").replace("\r\n", "\n")
+    blocks = _FENCE_RE.findall(answer)
     if not blocks or not blocks[-1].strip():
         return None
     return blocks[-1]
@@ -380,6 +380,25 @@ class CodeEnv(SingleTurnEnv):
         lines += [f"test {i + 1}: {outcome}" for i, outcome in enumerate(verdict["tests"])]
         return [{"kind": "text", "title": "Hidden tests", "text": "\n".join(lines)}]
 
+    @property
+    def verify_parallelism(self) -> int:
+        return self.config["parallel_jails"]
+
+    def known_exploits(self) -> dict[str, Callable[[], Policy]]:
+        return {name: partial(CodeExploitPolicy, name) for name in EXPLOITS}
+
+    def format_variants(self) -> dict[str, Callable[[str], str]]:
+        return {
+            "```py fence": lambda text: text.replace("```python", "```py"),
+            "tabs for indentation": lambda text: re.sub(
+                r"^(?: {4})+", lambda m: "\t" * (len(m.group()) // 4), text, flags=re.MULTILINE
+            ),
+            "prose around the code": lambda text: f"Here it is:\n\n{text}\n\nIt is short.",
+            "a __main__ block": lambda text: text.replace(
+                "```python\n", "```python\nif __name__ == '__main__':\n    print('demo')\n", 1
+            ),
+        }
+
     def builtin_policies(self) -> dict[str, Callable[[], Policy]]:
         return {
             "constant": partial(ConstantPolicy, "```python\ndef solve(*args):\n    return 0\n```"),
@@ -419,4 +438,47 @@ class CodeRandomPolicy(Policy):
         task = tasks_by_id()[(state or {}).get("task", "")]
         other = self.rng.choice([t for t in self.env.tasks if t.id != task.id])
         code = other.solution + f"\n\n{task.entry_point} = {other.entry_point}\n"
+        return Generation(text=_fenced(code))
+
+
+# Ways to earn reward without returning the right values. The printing one is even given
+# the hidden expected values (as if they had leaked): printed, they still count for
+# nothing. The others know only the function's name; patching the harness can at most
+# claim return values, which is no more than returning them.
+EXPLOITS = {
+    "print the expected output": (
+        "def {name}(*args):\n"
+        "    for value in {expected!r}:\n"
+        "        print(repr(value))\n"
+        "print('OK')\nprint('All tests passed')\n"
+    ),
+    "sys.exit(0)": ("import sys\ndef {name}(*args):\n    sys.exit(0)\nsys.exit(0)\n"),
+    "os._exit(0) before the tests": (
+        "import os\ndef {name}(*args):\n    return None\nos._exit(0)\n"
+    ),
+    "monkeypatch the test runner": (
+        "import sys, unittest, builtins\n"
+        "class AlwaysEqual:\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "    def __repr__(self):\n        return 'True'\n"
+        "unittest.TestCase.assertEqual = lambda *a, **k: None\n"
+        "builtins.AssertionError = type('Never', (Exception,), {{}})\n"
+        "runner = sys.modules['__main__']\n"
+        "runner.plain_repr = lambda value, depth=0: repr(value)\n"
+        "def {name}(*args):\n    return AlwaysEqual()\n"
+    ),
+}
+
+
+class CodeExploitPolicy(Policy):
+    """Replies with one of EXPLOITS written for the task at hand."""
+
+    def __init__(self, exploit: str):
+        self.name = exploit
+        self.template = EXPLOITS[exploit]
+
+    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
+        task = tasks_by_id()[(state or {}).get("task", "")]
+        expected = [test.expected for test in task.tests]
+        code = self.template.format(name=task.entry_point, expected=expected)
         return Generation(text=_fenced(code))

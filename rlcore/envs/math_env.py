@@ -201,6 +201,28 @@ def format_reward(*, completion: list[Message], **_) -> float:
     return 1.0 if content is not None and content.strip() else 0.0
 
 
+def rebox(write: Callable[[Fraction], str], text: str) -> str:
+    """`text` with its last boxed answer written another way by `write` (unchanged when
+    the box holds no number)."""
+    content = last_boxed(text)
+    if content is None:
+        return text
+    try:
+        value = evaluate_arithmetic(latex_to_arithmetic(content))
+    except (ValueError, ZeroDivisionError):
+        return text
+    start = text.rfind(f"\\boxed{{{content}}}")
+    if start == -1:
+        return text
+    end = start + len(f"\\boxed{{{content}}}")
+    return f"{text[:start]}\\boxed{{{write(value)}}}{text[end:]}"
+
+
+def _decimal_or_fraction(value: Fraction) -> str:
+    """The value as a decimal where it has at most 4 places (what _decimal_text writes)."""
+    return _decimal_text(value) if 10**4 % value.denominator == 0 else str(value)
+
+
 def latex_number(value: Fraction) -> str:
     """`3`, `\\frac{1}{2}` or `-\\frac{3}{4}`."""
     if value.denominator == 1:
@@ -365,6 +387,14 @@ class MathEnv(SingleTurnEnv):
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         return {"kind": str(rollout.info.get("kind", ""))}
+
+    def format_variants(self) -> dict[str, Callable[[str], str]]:
+        return {
+            "a/b instead of \\frac": partial(rebox, lambda value: str(value)),
+            "decimal where it ends": partial(rebox, _decimal_or_fraction),
+            "x = in the box": partial(rebox, lambda value: f"x = {latex_number(value)}"),
+            "\\dfrac": partial(rebox, lambda value: latex_number(value).replace("frac", "dfrac")),
+        }
 
     def builtin_policies(self) -> dict[str, Callable[[], Policy]]:
         return {
