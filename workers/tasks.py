@@ -218,8 +218,6 @@ def run_job(self, job_id: int) -> str:
         job.engine_used = engine
         if why:
             sink.log(f"engine: {engine}, not the {job.engine} asked for: {why}", "warning")
-        else:
-            sink.log(f"engine: {engine}")
         summary, result = execute(job, sink, engine)
         result = {**result, "engine": engine}
         sink.close()

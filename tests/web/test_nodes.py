@@ -48,7 +48,7 @@ def test_a_cpu_job_goes_to_the_cpu_queue_even_with_no_node_up(alice, ttt_config,
 
 def test_a_gpu_job_no_live_node_can_serve_is_refused_naming_gpus(alice, ttt_config, tiny):
     errors = refusal(alice, ttt_config, tiny, gpus=1)
-    assert "no worker node is live" in errors["gpus"][0]
+    assert "no live worker node can run a job on 1 GPU(s)" in errors["gpus"][0]
     announce_node("gpu@small", queues=("gpu",), gpus=(24,))
     errors = refusal(alice, ttt_config, tiny, gpus=2, gpu_memory_gib=40)
     assert "on 2 GPU(s) of at least 40 GiB" in errors["gpus"][0]
@@ -87,7 +87,8 @@ def test_a_silent_node_is_gone_and_serves_nothing(alice, alice_client, ttt_confi
         last_seen=timezone.now() - timedelta(seconds=3600)
     )
     Job.objects.all().delete()
-    assert "no worker node is live" in refusal(alice, ttt_config, tiny, gpus=1)["gpus"][0]
+    message = refusal(alice, ttt_config, tiny, gpus=1)["gpus"][0]
+    assert "no live worker node can run a job on 1 GPU(s)" in message and "gpu@box" not in message
     html = alice_client.get("/nodes/").content.decode()
     assert 'data-node="gpu@box" data-status="gone"' in html and "silent 3600 s" in html
     assert WorkerNode.objects.get(name="gpu@box").status == "gone"
@@ -147,7 +148,7 @@ def test_the_api_refuses_what_no_node_can_serve_with_a_400_naming_the_field(
 def test_the_job_form_shows_the_refusal_under_the_field(alice, alice_client, ttt_config, tiny):
     data = job_form_data(alice, "eval", env_config=ttt_config.pk, model=tiny.pk, gpus="2")
     html = alice_client.post("/jobs/new/", data).content.decode()
-    assert 'data-testid="error-gpus"' in html and "no worker node is live" in html
+    assert 'data-testid="error-gpus"' in html and "no live worker node can run a job on 2" in html
     assert not Job.objects.exists()
     form = alice_client.get("/jobs/new/?kind=eval").content.decode()
     assert 'id="needs-settings"' in form and 'name="gpu_memory_gib"' in form

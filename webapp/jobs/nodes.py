@@ -219,7 +219,9 @@ def queue_for_needs(needs: JobNeeds, *, device: str = "auto") -> str:
     for queue in candidates:
         if all(refusals[node.name] is None for node in live if queue in node.queues):
             return queue
-    unable = sorted(name for name, reason in refusals.items() if reason is not None)
+    unable = sorted(
+        node.name for node in live if refusals[node.name] and set(node.queues) & set(candidates)
+    )
     raise ValidationError(
         {
             field: f"the nodes that can run a job on {asked} ({', '.join(n.name for n in able)}) "
