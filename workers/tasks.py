@@ -39,7 +39,15 @@ from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from webapp.jobs.live import notify_job
-from webapp.jobs.models import ApiKey, Checkpoint, Job, LogLine, ModelEntry, checkpoint_model_name
+from webapp.jobs.models import (
+    ApiKey,
+    Checkpoint,
+    Job,
+    LogLine,
+    ModelEntry,
+    WorkerNode,
+    checkpoint_model_name,
+)
 from webapp.jobs.nodes import node_stop, nodes_mark_gone
 from workers.celery import app
 from workers.engines import job_engine, play_servers, served_config, trainer_takes_engine
@@ -58,6 +66,7 @@ def _status_message(job: Job, **extra) -> dict:
         "status": job.status,
         "error": job.error,
         "worker": job.worker,
+        "engine_used": job.engine_used,
         "cancel_requested": job.cancel_requested,
         "progress": job.progress_dict(),
         "last_step": job.last_step,
@@ -143,6 +152,24 @@ def _claim(job_id: int, hostname: str) -> Job | None:
     return job
 
 
+def node_cannot_run(job: Job) -> str:
+    """Why the node that claimed `job` cannot give it the GPUs it asked for ("" when it
+    can, or when the node has no row to tell). Routing checked the nodes when the job was
+    queued; a node that changed since (a card taken out) must not start it anyway."""
+    if not job.gpus:
+        return ""
+    node = WorkerNode.objects.filter(name=job.worker).first()
+    if node is None:
+        return ""
+    reason = node.cannot_serve(gpus=job.gpus, gpu_memory_gib=job.gpu_memory_gib)
+    if reason is None:
+        return ""
+    return (
+        f"node {job.worker} cannot run a job on {job.needs_text}: it {reason}; retry the job "
+        "to route it to a node that can"
+    )
+
+
 def execute(job: Job, sink: DatabaseSink, engine: str = "local") -> tuple[dict | None, dict]:
     """Run the job's config with rlcore on inference `engine` (workers/engines.py);
     returns (summary, result)."""
@@ -211,6 +238,10 @@ def run_job(self, job_id: int) -> str:
     job = _claim(job_id, self.request.hostname or "")
     if job is None:
         return "skipped"
+    if problem := node_cannot_run(job):
+        LogLine.objects.create(job_id=job_id, level="error", message=problem)
+        _finish(job_id, Job.Status.FAILED, error=problem)
+        return Job.Status.FAILED
     sink = DatabaseSink(job, heartbeat_seconds=settings.JOB_HEARTBEAT_SECONDS).start()
     try:
         engine, why = job_engine(job, job.config)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from django.core.exceptions import ValidationError
+from django.db import transaction
 
 from tests.lab_fixtures import REPO, wait_for_job
 from tests.reliability.conftest import FAST_WATCHDOG_ENV
@@ -109,6 +110,16 @@ def test_two_workers_with_different_queues_each_get_their_jobs(
     assert on_gpu.engine_used == "local" and on_gpu.result["engine"] == "local"
     page = alice_client.get(f"/jobs/{on_gpu.pk}/").content.decode()
     assert "NVIDIA H100" in page and 'id="job-needs">1 GPU of at least 40 GiB<' in page
+    # A node that lost its card after the job was routed to it does not start the job.
+    with transaction.atomic():  # the job is sent when this commits, the card already gone
+        stale = services.job_retry(job=on_gpu)
+        WorkerNode.objects.filter(name=gpu["node"]).update(gpus=[])
+    stale = wait_for_job(stale)
+    assert stale.status == "failed" and stale.worker == gpu["node"]
+    assert "cannot run a job on 1 GPU of at least 40 GiB: it has 0 such GPU(s)" in stale.error
+    WorkerNode.objects.filter(name=gpu["node"]).update(
+        gpus=[{"index": 0, "name": "NVIDIA H100", "total_gib": 79.6, "free_gib": 79.0}]
+    )
     # A 100 GiB card is more than any live node has: refused, naming the field.
     with pytest.raises(
         ValidationError, match="no live worker node can run a job on 1 GPU"

@@ -551,6 +551,7 @@ def job_status_payload(job: Job) -> dict:
         "cancel_requested": job.cancel_requested,
         "error": job.error,
         "worker": job.worker,
+        "engine_used": job.engine_used,
         "progress": job.progress_dict(),
         "last_step": job.last_step,
     }
