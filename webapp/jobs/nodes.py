@@ -11,7 +11,7 @@ refuses, naming the field, what no live node can.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
@@ -229,7 +229,3 @@ def queue_for_needs(needs: JobNeeds, *, device: str = "auto") -> str:
             "larger ones with a queue of their own as well, e.g. -Q gpu,gpu-large"
         }
     )
-
-
-def needs_dict(needs: JobNeeds) -> dict:
-    return asdict(needs)
