@@ -171,6 +171,8 @@ def test_the_nodes_page_lists_each_node_with_its_jobs_never_bob_s_view_of_alice_
     assert 'data-node="jobs@box" data-status="live"' in html
     assert f'href="/jobs/{job.pk}/">#{job.pk}</a> rl' in html and "GPU 80 GiB" in html
     assert 'data-testid="nav-nodes"' in html
+    # announce_node reports no checkpoint root: a node that does not share this lab's.
+    assert "not this lab's" in html and "node-root-differs" in html
     bobs = bob_client.get("/nodes/").content.decode()
     assert f"/jobs/{job.pk}/" not in bobs and "1 of other users" in bobs
     page = alice_client.get(f"/jobs/{job.pk}/").content.decode()

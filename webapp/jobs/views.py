@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
@@ -498,4 +499,8 @@ def node_list(request):
         }
         for row in nodes_overview()
     ]
-    return render(request, "jobs/node_list.html", {"rows": rows})
+    return render(
+        request,
+        "jobs/node_list.html",
+        {"rows": rows, "checkpoint_root": str(settings.CHECKPOINT_ROOT)},
+    )
