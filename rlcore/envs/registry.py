@@ -13,6 +13,7 @@ ENVIRONMENTS: dict[str, str] = {
     "calculator": "rlcore.envs.calculator:CalculatorEnv",
     "math": "rlcore.envs.math_env:MathEnv",
     "code": "rlcore.envs.code_env:CodeEnv",
+    "writing": "rlcore.envs.writing:WritingEnv",
 }
 
 
