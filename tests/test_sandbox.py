@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -203,3 +206,41 @@ def test_a_jail_that_cannot_be_built_is_an_error_in_bwraps_words():
     sandbox = Sandbox(Limits(), python="/nonexistent/bin/python3")
     with pytest.raises(SandboxUnavailable, match=r"could not build a jail here \(bwrap: .*"):
         sandbox.run_harness(b"{}")
+
+
+NON_ROOT_CHECK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+fork_until_refused = (
+    "import os, time\\ndef f(x):\\n    n = 0\\n    try:\\n        while True:\\n"
+    "            if os.fork() == 0:\\n                time.sleep(2)\\n                os._exit(0)\\n"
+    "            n += 1\\n    except OSError:\\n        return n\\n"
+)
+jail = sandbox.Sandbox(sandbox.Limits(wall_seconds=5, max_processes=8))
+request = {"code": fork_until_refused, "entry_point": "f", "inputs": ["(0,)"], "test_seconds": 4}
+print(jail.run_harness(json.dumps(request).encode()).stdout)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root to become an ordinary user",
+)
+def test_as_an_ordinary_user_the_process_limit_counts_only_the_jails_processes():
+    # The lab run by an ordinary user: no uid switching, the count kept in the jail's own
+    # user namespace. The modules are copied where that user can read them.
+    user = str(SANDBOX_UIDS[-1])
+    with tempfile.TemporaryDirectory() as folder:
+        for name in ("sandbox.py", "sandbox_harness.py"):
+            shutil.copy(Path(__file__).parent.parent / "rlcore" / name, Path(folder) / name)
+        os.chmod(folder, 0o755)
+        done = subprocess.run(
+            ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups",
+             "/usr/bin/python3", "-c", NON_ROOT_CHECK, folder],
+            capture_output=True, text=True, timeout=60, cwd=folder,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    forks = int(re.search(r'"value": "(\d+)"', done.stdout).group(1))
+    # prlimit's 8 processes: the harness and bwrap's init are two of them.
+    assert 1 <= forks <= 6, done.stdout
