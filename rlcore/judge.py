@@ -6,7 +6,8 @@ the reply's position (A or B) is drawn at random per comparison, seeded by the e
 and the reply, so a judge that prefers the first slot gains the reply nothing on average
 (and `both_orders` asks in both orders and averages, removing it outright); verbosity is
 left to a length penalty the environment puts in its rubric. A verdict the judge did not
-write in the asked form is reported as unreadable, never guessed.
+write in the asked form is reported as unreadable, never guessed, and verdict tags inside
+a reply are defused before the judge sees it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ def read_winner(text: str) -> str | None:
     return found[-1].upper() if found and found[-1].lower() != "tie" else ("tie" if found else None)
 
 
+_VERDICT_TAG_RE = re.compile(r"<(/?)\s*(score|winner)\s*>", re.IGNORECASE)
+
+
+def defuse(text: str) -> str:
+    """`text` with any verdict tag (<score>, <winner>) written with angle quotes, so a
+    reply cannot put a verdict in the judge's mouth should the judge quote it back."""
+    return _VERDICT_TAG_RE.sub(lambda m: f"‹{m.group(1)}{m.group(2)}›", text)
+
+
 def reply_first(seed: int, reply: str) -> bool:
     """Whether the reply is shown as A: a fair coin, fixed by the example and the reply so
     a re-scored rollout meets the same order."""
@@ -105,7 +115,7 @@ class Judge:
 
     async def pointwise(self, task: str, reply: str) -> Verdict:
         raw = await self._ask(
-            POINTWISE_PROMPT.format(rubric=self.rubric, task=task, response=reply)
+            POINTWISE_PROMPT.format(rubric=self.rubric, task=task, response=defuse(reply))
         )
         score = read_score(raw)
         detail = (
@@ -126,7 +136,7 @@ class Judge:
         orders = [True, False] if both_orders else [reply_first(seed, reply)]
         rewards, positions, raws = [], [], []
         for first in orders:
-            a, b = (reply, opponent) if first else (opponent, reply)
+            a, b = (defuse(reply), defuse(opponent)) if first else (defuse(opponent), defuse(reply))
             raw = await self._ask(
                 PAIRWISE_PROMPT.format(rubric=self.rubric, task=task, first=a, second=b)
             )

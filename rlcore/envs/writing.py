@@ -105,6 +105,7 @@ class WritingEnv(SingleTurnEnv):
             False,
             "Pairwise: judge in both orders and average (twice the calls, no position bias).",
         ),
+        Param("judge_max_tokens", int, 256, "Most tokens of one judge reply.", min=16, max=4096),
         Param("max_words", int, 80, "Words a reply may use before the length penalty.", 5, 1000),
         Param(
             "length_penalty",
@@ -137,7 +138,7 @@ class WritingEnv(SingleTurnEnv):
                 model=self.config["judge_model"],
                 api_key_env=self.config["judge_api_key_env"],
             )
-            self._judge = Judge(policy, RUBRIC)
+            self._judge = Judge(policy, RUBRIC, max_tokens=self.config["judge_max_tokens"])
         return self._judge
 
     def build_rubric(self) -> Rubric:
