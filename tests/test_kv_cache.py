@@ -96,21 +96,24 @@ def test_changed_weights_empty_the_store(default_tiny_model):
 
 
 def test_the_store_keeps_within_its_bytes_and_drops_superseded_turns():
-    store = PrefixCache(max_bytes=3 * 4 * 2 * 10)  # room for three 10-token entries
+    store = PrefixCache(max_bytes=3 * 4 * 2 * 40)  # room for three 40-token entries
 
-    def kv(tokens):
-        return [(torch.zeros(1, len(tokens), 1), torch.zeros(1, len(tokens), 1))]
+    def kv(length):
+        return [(torch.zeros(1, length, 1), torch.zeros(1, length, 1))]
 
-    store.add(list(range(10)), kv(range(10)))
-    store.add(list(range(10)) + [5] * 5, kv(range(15)))  # the same conversation, later
+    turn = list(range(40))
+    store.add(turn, kv(40))
+    store.add(turn + [5] * 8, kv(48))  # the same conversation, one turn later
     assert len(store.entries) == 1  # the earlier turn is part of the later one
-    entry, reused = store.lookup(list(range(10)) + [5, 5, 7])
-    assert reused == 12 and len(entry.tokens) == 15
+    entry, reused = store.lookup(turn + [5, 5, 7])
+    assert reused == 42 and len(entry.tokens) == 48  # found by its blocks, compared past them
     for start in (100, 200, 300):
-        store.add(list(range(start, start + 10)), kv(range(10)))
+        store.add(list(range(start, start + 40)), kv(40))
     assert store.bytes <= store.max_bytes
-    assert store.lookup(list(range(10)) + [1])[1] == 0  # the oldest went first
-    assert store.lookup(list(range(300, 310)))[1] == 9  # never the prompt's last token
+    assert store.lookup(turn + [1])[1] == 0  # the oldest went first
+    assert store.lookup(list(range(300, 340)))[1] == 39  # never the prompt's last token
+    assert store.lookup(list(range(300, 310)))[1] == 0  # shorter than a block: not looked for
+    assert store.lookup([7] + list(range(301, 340)))[1] == 0  # differs in the first block
 
 
 def test_the_growing_cache_decodes_what_the_copying_one_does(default_tiny_model):

@@ -38,6 +38,7 @@ class PrefixEntry:
     tokens: np.ndarray  # int64 [n]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv heads, n, head dim]
     nbytes: int
+    hashes: list[int]  # PrefixCache._hashes(tokens)
 
 
 def weights_version(model) -> tuple:
@@ -54,11 +55,19 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class PrefixCache:
     """`lookup` the longest stored prefix of a prompt, `add` a row's tokens with their keys
     and values. Not thread-safe: the engine calls it from its one generation thread.
-    `hits`, `tokens_reused` and `tokens_looked_up` count what it saved."""
+    `hits`, `tokens_reused` and `tokens_looked_up` count what it saved.
+
+    Entries are found through the hashes of their prefixes at every BLOCK tokens (each
+    hash chains the one before), so a lookup costs a few dictionary reads whatever the
+    number of entries (a scan of every entry cost seconds a step at 256 games); the
+    entry found is then compared token by token, so its reuse may run past the block."""
+
+    BLOCK = 16
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
         self.max_bytes = max_bytes
         self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.index: dict[int, int] = {}  # prefix hash -> the newest entry holding that prefix
         self.bytes = 0
         self.version: tuple | None = None
         self._next_key = 0
@@ -73,44 +82,61 @@ class PrefixCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.index.clear()
         self.bytes = 0
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        """The hash of tokens[:BLOCK * (i + 1)] for each whole block i."""
+        hashes, chained = [], 0
+        for start in range(0, len(tokens) - self.BLOCK + 1, self.BLOCK):
+            chained = hash((chained, tuple(tokens[start : start + self.BLOCK])))
+            hashes.append(chained)
+        return hashes
+
+    def _longest(self, tokens: list[int]) -> tuple[int | None, int]:
+        """The stored entry sharing the longest prefix with `tokens`, and its length."""
+        array = np.asarray(tokens, dtype=np.int64)
+        for chained in reversed(self._hashes(tokens)):
+            key = self.index.get(chained)
+            if key in self.entries:
+                return key, common_prefix(self.entries[key].tokens, array)
+        return None, 0
 
     def lookup(self, prompt_ids: list[int]) -> tuple[PrefixEntry | None, int]:
         """The entry sharing the longest prefix with `prompt_ids`, and how many tokens of it
         to reuse: at most all but the prompt's last token (whose logits start the reply)."""
-        prompt = np.asarray(prompt_ids, dtype=np.int64)
-        self.tokens_looked_up += len(prompt)
-        best_key, best = None, 0
-        for key, entry in self.entries.items():
-            shared = common_prefix(entry.tokens, prompt)
-            if shared > best:
-                best_key, best = key, shared
-        best = min(best, len(prompt) - 1)
-        if best_key is None or best < 1:
+        self.tokens_looked_up += len(prompt_ids)
+        key, shared = self._longest(prompt_ids)
+        shared = min(shared, len(prompt_ids) - 1)
+        if key is None or shared < 1:
             return None, 0
-        self.entries.move_to_end(best_key)
+        self.entries.move_to_end(key)
         self.hits += 1
-        self.tokens_reused += best
-        return self.entries[best_key], best
+        self.tokens_reused += shared
+        return self.entries[key], shared
 
     def add(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        array = np.asarray(tokens, dtype=np.int64)
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
-        if not len(array) or nbytes > self.max_bytes:
-            return
-        for key, entry in list(self.entries.items()):
-            if len(entry.tokens) <= len(array) and common_prefix(entry.tokens, array) == len(
-                entry.tokens
-            ):
-                self._drop(key)  # the same conversation, one turn earlier
-        self.entries[self._next_key] = PrefixEntry(array, kv, nbytes)
+        hashes = self._hashes(tokens)
+        if not hashes or nbytes > self.max_bytes:
+            return  # shorter than a block: nothing a lookup could find
+        earlier, shared = self._longest(tokens)
+        if earlier is not None and shared == len(self.entries[earlier].tokens):
+            self._drop(earlier)  # the same conversation, one turn earlier
+        key = self._next_key
         self._next_key += 1
+        self.entries[key] = PrefixEntry(np.asarray(tokens, dtype=np.int64), kv, nbytes, hashes)
+        self.index.update(dict.fromkeys(hashes, key))
         self.bytes += nbytes
         while self.bytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key: int) -> None:
-        self.bytes -= self.entries.pop(key).nbytes
+        entry = self.entries.pop(key)
+        self.bytes -= entry.nbytes
+        for chained in entry.hashes:
+            if self.index.get(chained) == key:
+                del self.index[chained]
 
 
 class GrowingLayer(DynamicLayer):

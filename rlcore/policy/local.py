@@ -33,7 +33,7 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +61,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 
 @dataclass
 class _Request:
-    prompt_ids: list[int]
+    text: str  # the rendered prompt; tokenized with its batch
     sampling: SamplingParams
-    max_new_tokens: int
     future: asyncio.Future
     # Called on the engine's thread with each token id and logprob as it is sampled.
     on_token: Callable[[int, float], None] | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 0
 
 
 class _LoopQueue:
@@ -246,10 +247,10 @@ class LocalEngine(Policy):
         return ids
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
-        """The ids the model is conditioned on: the chat template with a generation prompt."""
+    def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> str:
+        """The chat template's text of `messages`, with a generation prompt."""
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # jinja raises many kinds; the caller needs the message
@@ -257,7 +258,26 @@ class LocalEngine(Policy):
                 f"chat template of {self.name!r} failed on these messages: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The ids the model is conditioned on: the chat template with a generation prompt."""
+        return list(
+            self.tokenizer(self.render_prompt(messages, tools), add_special_tokens=False)[
+                "input_ids"
+            ]
+        )
+
+    def _room(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        """How many tokens the reply may have, or ContextExceeded."""
+        if not self.context_length:
+            return sampling.max_tokens
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise ContextExceeded(
+                f"prompt is {len(prompt_ids)} tokens but {self.name!r} has a context of "
+                f"{self.context_length}; shorten the conversation or use a longer-context model"
+            )
+        return min(sampling.max_tokens, room)
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         if not sampling.temperature >= 0:
@@ -274,15 +294,7 @@ class LocalEngine(Policy):
         (ContextExceeded for a prompt the context cannot hold) saying why not."""
         self._check_sampling(sampling)
         prompt_ids = self.encode_prompt(messages, tools)
-        max_new_tokens = sampling.max_tokens
-        if self.context_length:
-            room = self.context_length - len(prompt_ids)
-            if room < 1:
-                raise ContextExceeded(
-                    f"prompt is {len(prompt_ids)} tokens but {self.name!r} has a context of "
-                    f"{self.context_length}; shorten the conversation or use a longer-context model"
-                )
-            max_new_tokens = min(max_new_tokens, room)
+        max_new_tokens = self._room(prompt_ids, sampling)
         return prompt_ids, max_new_tokens
 
     # -- the asyncio side ------------------------------------------------------------------
@@ -298,12 +310,14 @@ class LocalEngine(Policy):
         """The reply to `messages`. `on_token(token_id, logprob)`, when given, is called on
         the caller's event loop with each token as the dynamic loop samples it (the static
         decoder hands over a reply's tokens together, when the reply is done)."""
-        prompt_ids, max_new_tokens = self.prepare(messages, sampling, tools)
+        self._check_sampling(sampling)
+        # Rendered here, tokenized with the rest of its batch on the engine's thread (one
+        # call for the batch; per prompt it was most of a large batch's host time).
+        text = self.render_prompt(messages, tools)
         loop = asyncio.get_running_loop()
         request = _Request(
-            prompt_ids,
+            text,
             sampling,
-            max_new_tokens,
             loop.create_future(),
             None if on_token is None else _on_loop(loop, on_token),
         )
@@ -340,7 +354,11 @@ class LocalEngine(Policy):
                             request.future.set_exception(error)
                     continue
                 for request, generation in zip(batch, generations, strict=True):
-                    if not request.future.done():
+                    if request.future.done():
+                        continue
+                    if isinstance(generation, PolicyError):  # this request's own error
+                        request.future.set_exception(generation)
+                    else:
                         request.future.set_result(generation)
         finally:
             if not queue.pending:
@@ -357,11 +375,26 @@ class LocalEngine(Policy):
                 return
 
     # -- the torch side --------------------------------------------------------------------
-    def _run_batch(self, requests: list[_Request]) -> list[Generation]:
-        """One batched generation (blocking; runs on the worker thread). One at a time: the
-        model and its memory are shared with whoever else holds this engine."""
+    def _run_batch(self, batch: list[_Request]) -> list[Generation | PolicyError]:
+        """One batched generation (blocking; runs on the worker thread): the batch's prompts
+        tokenized in one call, then generated together, one batch at a time (the model and
+        its memory are shared with whoever else holds this engine). A request whose prompt
+        the context cannot hold gets its ContextExceeded in its place and is not generated."""
         import torch
 
+        tokenized = self.tokenizer([r.text for r in batch], add_special_tokens=False)
+        results: list[Generation | PolicyError | None] = [None] * len(batch)
+        requests = []
+        for index, (request, ids) in enumerate(zip(batch, tokenized["input_ids"], strict=True)):
+            request.prompt_ids = list(ids)
+            try:
+                request.max_new_tokens = self._room(request.prompt_ids, request.sampling)
+            except ContextExceeded as exc:
+                results[index] = exc
+                continue
+            requests.append(request)
+        if not requests:
+            return results
         with self._generation_lock:
             was_training = self.model.training
             self.model.eval()
@@ -373,22 +406,21 @@ class LocalEngine(Policy):
             self.batches_run += 1
             self.requests_served += len(requests)
             self.tokens_generated += sum(len(ids) for ids, _, _ in completions)
-        generations = []
-        for request, (completion_ids, logprobs, finish_reason) in zip(
-            requests, completions, strict=True
-        ):
-            generations.append(
-                Generation(
-                    text=self.tokenizer.decode(completion_ids, skip_special_tokens=True),
-                    finish_reason=finish_reason,
-                    prompt_ids=list(request.prompt_ids),
-                    completion_ids=completion_ids,
-                    logprobs=logprobs,
-                    prompt_tokens=len(request.prompt_ids),
-                    completion_tokens=len(completion_ids),
-                )
+        generations = iter(completions)
+        for index, request in enumerate(batch):
+            if results[index] is not None:
+                continue
+            completion_ids, logprobs, finish_reason = next(generations)
+            results[index] = Generation(
+                text=self.tokenizer.decode(completion_ids, skip_special_tokens=True),
+                finish_reason=finish_reason,
+                prompt_ids=list(request.prompt_ids),
+                completion_ids=completion_ids,
+                logprobs=logprobs,
+                prompt_tokens=len(request.prompt_ids),
+                completion_tokens=len(completion_ids),
             )
-        return generations
+        return results
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         output = self.model(
