@@ -1,6 +1,7 @@
 """The `python -m rlcore` command line, in the habits of verifiers' `vf-eval`.
 
-`audit ENV` runs the verifier checklist (rlcore/audit.py) and writes its JSON report.
+`audit ENV` runs the verifier checklist (rlcore/audit.py) and writes its JSON report;
+`delta ENV --base A --trained B` compares two models on held-out examples (rlcore/delta.py).
 `eval ENV --model MODEL` runs an evaluation with a progress bar on stderr, prints the
 summary tables to stdout and writes results.jsonl + metadata.json under
 `runs/eval/<env>--<model>--<timestamp>/`; `envs` lists the environments and their typed
@@ -27,6 +28,8 @@ from rlcore.policy import PolicyError
 PROG = "python -m rlcore"
 DEFAULT_EVAL_ROOT = Path("runs") / "eval"
 DEFAULT_AUDIT_ROOT = Path("runs") / "audit"
+# The datasets training draws from start at seed 0 and count up; this one is far from them.
+HELD_OUT_SEED = 1_000_003
 TRAIN_COMMANDS = ("synth", "sft", "rl")
 
 USAGE_ERROR = 2
@@ -145,6 +148,27 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"JSON report path (default {DEFAULT_AUDIT_ROOT}/<env>--<timestamp>.json)",
     )
 
+    de = commands.add_parser(
+        "delta", help="held-out delta: a trained model against its starting model, per metric"
+    )
+    de.add_argument("env", metavar="ENV", help="environment name (see `envs`)")
+    de.add_argument("--base", required=True, metavar="MODEL", help="the starting model")
+    de.add_argument("--trained", required=True, metavar="MODEL", help="the trained model")
+    de.add_argument("-a", "--env-args", default="{}", metavar="JSON", help="env parameters")
+    de.add_argument("-n", "--num-examples", type=_bounded(int, 2), default=100)
+    de.add_argument("-r", "--rollouts-per-example", type=_bounded(int, 1), default=1)
+    de.add_argument(
+        "--seed",
+        type=int,
+        default=HELD_OUT_SEED,
+        help=f"dataset seed; pick one training did not use (default {HELD_OUT_SEED})",
+    )
+    de.add_argument("-t", "--max-tokens", type=_bounded(int, 1), default=256)
+    de.add_argument("-T", "--temperature", type=_bounded(float, 0.0), default=0.0)
+    de.add_argument("--base-url", help="OpenAI-compatible endpoint serving both models")
+    de.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    de.add_argument("--out", metavar="FILE", help="also write the report as JSON here")
+
     commands.add_parser("envs", help="list environments and their parameters")
     commands.add_parser("serve", help="OpenAI-compatible server for a checkpoint", add_help=False)
     for kind in TRAIN_COMMANDS:
@@ -231,21 +255,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_from_args(args: argparse.Namespace):
+    """The environment ENV with -a's parameters; EvalConfigError naming what was wrong."""
+    from rlcore.envs import ParamError, load_environment
+
+    env_args = _parse_env_args(args.env_args)
+    try:
+        return load_environment(args.env, **env_args)
+    except KeyError as exc:
+        raise EvalConfigError(str(exc.args[0])) from None
+    except ParamError as exc:
+        raise EvalConfigError(f"bad environment parameters: {exc}") from None
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     import asyncio
 
     from rlcore.audit import format_report, run_audit, timestamp
-    from rlcore.envs import ParamError, load_environment
 
     try:
-        env_args = _parse_env_args(args.env_args)
-        env = load_environment(args.env, **env_args)
+        env = _env_from_args(args)
     except EvalConfigError as exc:
         return _fail("audit", str(exc))
-    except KeyError as exc:
-        return _fail("audit", str(exc.args[0]))
-    except ParamError as exc:
-        return _fail("audit", f"bad environment parameters: {exc}")
     report = asyncio.run(
         run_audit(
             env,
@@ -262,6 +293,52 @@ def cmd_audit(args: argparse.Namespace) -> int:
     print(format_report(report))
     print(f"\nreport: {out}")
     return 0 if report.passed else 1
+
+
+def cmd_delta(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rlcore.delta import format_delta, held_out_delta
+    from rlcore.policy import load_policy
+    from rlcore.types import SamplingParams
+
+    try:
+        env = _env_from_args(args)
+        base, trained = (
+            load_policy(model, env=env, base_url=args.base_url, device=args.device)
+            for model in (args.base, args.trained)
+        )
+    except (EvalConfigError, PolicyError) as exc:
+        return _fail("delta", str(exc))
+
+    async def both() -> object:
+        try:
+            return await held_out_delta(
+                env,
+                base,
+                trained,
+                env_name=args.env,
+                base_name=args.base,
+                trained_name=args.trained,
+                num_examples=args.num_examples,
+                seed=args.seed,
+                rollouts_per_example=args.rollouts_per_example,
+                sampling=SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens),
+            )
+        finally:
+            await base.aclose()
+            await trained.aclose()
+
+    try:
+        report = asyncio.run(both())
+    except PolicyError as exc:
+        return _fail("delta", str(exc))
+    print(format_delta(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report.to_dict(), indent=2))
+        print(f"\nreport: {args.out}")
+    return 0
 
 
 def _number(value: float) -> str:
@@ -319,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"{PROG} eval: interrupted", file=sys.stderr)
             return 130
+    if args.command == "delta":
+        return cmd_delta(args)
     if args.command == "audit":
         return cmd_audit(args)
     if args.command == "envs":
