@@ -465,3 +465,16 @@ def test_train_think_off_leaves_the_think_block_out_of_the_gradient(thinking_mod
     assert think.any()
     assert (on[think] != 0).all() and (off[think] == 0).all()
     assert torch.equal(on[off_weights > 0], off[off_weights > 0])
+
+
+def test_rl_asked_to_sample_with_vllm_where_it_cannot_run_trains_on_the_local_engine(
+    tiny_model, tmp_path
+):
+    sink = RecordingSink()
+    final = run_rl(rl_config(tiny_model, tmp_path), sink, engine="vllm")
+    assert final and len(sink.metrics) == 2  # it trained all the same
+    warnings = [message for level, message in sink.logs if level == "warning"]
+    assert any(
+        message.startswith("rl: engine vllm asked for, running on the local engine: vllm is")
+        for message in warnings
+    )

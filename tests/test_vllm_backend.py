@@ -149,3 +149,14 @@ def test_a_vllm_output_becomes_a_generation_with_ids_and_logprobs():
     cut = SimpleNamespace(text="<mo", token_ids=[11], logprobs=None, finish_reason="length")
     with pytest.raises(PolicyError, match="0 logprobs for 1 sampled tokens"):
         generation_from_output([1], SimpleNamespace(outputs=[cut]))
+
+
+def test_vllm_conditions_on_the_same_ids_as_the_local_engine(tiny_model):
+    local = LocalEngine(tiny_model, device="cpu")
+    vllm = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: only the prompt's rendering runs
+    vllm.tokenizer, vllm.name = local.tokenizer, "vllm"
+    conversation = [
+        {"role": "system", "content": "Play tic-tac-toe."},
+        {"role": "user", "content": "X.O......"},
+    ]
+    assert vllm.encode_prompt(conversation) == local.encode_prompt(conversation)

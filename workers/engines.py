@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import logging
 import threading
 from collections import OrderedDict
@@ -54,13 +53,6 @@ def is_local_model(job: Job, config: dict) -> bool:
     return job.model is None or job.model.is_local
 
 
-def trainer_takes_engine() -> bool:
-    """Whether rlcore's RL trainer takes a rollout engine (`run_rl(cfg, sink, engine=)`)."""
-    from rlcore.train.grpo import run_rl
-
-    return "engine" in inspect.signature(run_rl).parameters
-
-
 def serve_command_unavailable_reason() -> str | None:
     return command_unavailable_reason(settings.VLLM_SERVE_COMMAND)
 
@@ -85,11 +77,6 @@ def job_engine(job: Job, config: dict) -> tuple[str, str]:
         return ("local", reason) if reason else ("vllm", "")
     if job.kind == Job.Kind.RL:
         reason = vllm_unavailable_reason()
-        if reason is None and not trainer_takes_engine():
-            reason = (
-                "rlcore's RL trainer does not take a rollout engine yet (run_rl(cfg, sink, "
-                "engine=) in rlcore/train/grpo.py)"
-            )
         return ("local", reason) if reason else ("vllm", "")
     return "local", f"{job.kind} samples nothing"
 

@@ -50,7 +50,7 @@ from webapp.jobs.models import (
 )
 from webapp.jobs.nodes import node_stop, nodes_mark_gone
 from workers.celery import app
-from workers.engines import job_engine, play_servers, served_config, trainer_takes_engine
+from workers.engines import job_engine, play_servers, served_config
 from workers.nodes import NodeReporter, node_facts
 from workers.sink import DatabaseSink, text_safe
 
@@ -206,10 +206,7 @@ def execute(job: Job, sink: DatabaseSink, engine: str = "local") -> tuple[dict |
         from rlcore.train.grpo import run_rl
 
         rl_config = build_config(RLConfig, [("job config", config)])
-        if trainer_takes_engine():
-            path = run_rl(rl_config, sink, engine=engine)
-        else:
-            path = run_rl(rl_config, sink)
+        path = run_rl(rl_config, sink, engine=engine)
         return dict(sink.last_metrics), {"checkpoint": path}
     raise ValueError(f"job {job.pk} has unknown kind {job.kind!r}; expected eval, synth, sft or rl")
 

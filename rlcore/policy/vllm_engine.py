@@ -130,6 +130,7 @@ class VLLMEngine(Policy):
     name = "vllm"
     # The same rendering of a conversation as the local engine's (chat template plus the
     # generation prompt), so both engines condition on identical ids.
+    render_prompt = LocalEngine.render_prompt
     encode_prompt = LocalEngine.encode_prompt
 
     def __init__(

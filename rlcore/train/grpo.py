@@ -39,7 +39,7 @@ from rlcore.envs.base import Environment
 from rlcore.envs.registry import load_environment
 from rlcore.evaluate import summarize, summary_metrics
 from rlcore.events import EventSink, NullSink
-from rlcore.policy.local import LocalEngine
+from rlcore.policy.vllm_engine import rollout_engine, sync_weights
 from rlcore.rollout import run_rollouts
 from rlcore.train.advantages import (
     add_turn_advantages,
@@ -56,6 +56,7 @@ from rlcore.train.common import (
     clip_gradients,
     load_model_and_tokenizer,
     load_trainer_state,
+    model_path,
     random_states,
     resolve_device,
     restore_random_states,
@@ -359,10 +360,13 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
 # The training loop
 
 
-def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
+def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local") -> str | None:
     """Train `cfg.model` with RL on `cfg.env`; returns the final checkpoint directory, or
     on a stop request the checkpoint saved then (None when a stop in a later update of a
-    step, num_iterations > 1, left nothing complete to save and none was saved before)."""
+    step, num_iterations > 1, left nothing complete to save and none was saved before).
+    `engine`: what samples the rollouts, "local" (the batching engine on the trainer's own
+    model) or "vllm" (vLLM in this process, the trainer's weights loaded into it after every
+    update; the local engine, with a warning in the log, where vLLM cannot run)."""
     sink = sink or NullSink()
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -385,8 +389,13 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
         reference.eval().requires_grad_(False)
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.max_steps * cfg.num_iterations)
     sampler = StratifiedSampler(env, cfg.seed, cfg.batch_size // cfg.rollouts_per_example)
-    engine = LocalEngine(
-        None, model=model, tokenizer=tokenizer, name="policy", should_stop=sink.should_stop
+    rollouts_engine, _ = rollout_engine(
+        engine,
+        model=model,
+        tokenizer=tokenizer,
+        path=model_path(cfg.resume_from or cfg.model),
+        should_stop=sink.should_stop,
+        warn=lambda message: sink.log(f"rl: {message}", "warning"),
     )
     sampling = SamplingParams(
         temperature=cfg.sampling.temperature,
@@ -461,7 +470,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
             rollouts = loop.run_until_complete(
                 run_rollouts(
                     env,
-                    engine,
+                    rollouts_engine,
                     sampler.next_batch(),
                     sampling=sampling,
                     rollouts_per_example=cfg.rollouts_per_example,
@@ -497,6 +506,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
                 if cfg.num_iterations > 1 or reference is not None:
                     scored = score_sequences(learner, sequences, cfg)
                 updated = update_policy(learner, sequences, normalizer, cfg)
+                sync_weights(rollouts_engine, model)  # vLLM samples the updated weights
             except StepStopped as stopped:
                 return stop(step, stopped.where, stopped.updates, start)
             step_seconds = time.monotonic() - step_started
@@ -529,7 +539,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None) -> str | None:
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
                 checkpoint(step, checkpoint_dir(output_dir, step))
     finally:
-        loop.run_until_complete(engine.aclose())
+        loop.run_until_complete(rollouts_engine.aclose())
         loop.close()
 
     path = checkpoint(cfg.max_steps, output_dir / "final")

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlcore.events import RecordingSink
+from rlcore.policy import vllm_engine
 from rlcore.policy.local import LocalEngine
 from rlcore.train import grpo, sft
 from rlcore.train.common import TRAINER_STATE
@@ -64,7 +65,7 @@ def engines(monkeypatch) -> list[LocalEngine]:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(grpo, "LocalEngine", Recorded)
+    monkeypatch.setattr(vllm_engine, "LocalEngine", Recorded)  # rollout_engine makes it
     return made
 
 
