@@ -36,6 +36,19 @@
     const stopping = payload.cancel_requested && status === "running" ? " (stopping)" : "";
     el.innerHTML = `<span class="status status-${status}">${status}${stopping}</span>`;
     if (payload.worker) $("job-worker").textContent = payload.worker;
+    const engine = $("job-engine");
+    if (payload.engine_used && engine && payload.engine_used !== engine.dataset.engine) {
+      // The engine a worker picked (it may differ from the one asked: vLLM missing there).
+      engine.dataset.engine = payload.engine_used;
+      const asked = engine.dataset.asked;
+      engine.textContent = payload.engine_used;
+      if (asked && asked !== payload.engine_used) {
+        const note = document.createElement("small");
+        note.className = "muted";
+        note.textContent = ` (${asked} asked; see the log)`;
+        engine.append(note);
+      }
+    }
     if (payload.error) {
       $("job-error").textContent = payload.error;
       $("job-error").hidden = false;

@@ -50,6 +50,12 @@ class Worker:
         send = self.layer.group_send(self.group, message)
         self.thread.submit(self.loop.run_until_complete, send).result()
 
+    def status(self, **payload) -> None:
+        message = {"type": "job.status", "status": "running", "cancel_requested": False,
+                   "last_step": None, **payload}  # fmt: skip
+        send = self.layer.group_send(self.group, message)
+        self.thread.submit(self.loop.run_until_complete, send).result()
+
     def close(self) -> None:
         self.thread.submit(self.loop.run_until_complete, self.layer.close_pools()).result()
         self.thread.submit(self.loop.close).result()
@@ -107,5 +113,20 @@ def test_the_eta_shows_from_the_first_rollout_and_a_batch_landing_moves_it_a_lit
         hear(201, 0, desc="baseline random")
         baseline = hear(204, 6, desc="baseline random")
         assert abs(eta_seconds(baseline) - (TOTAL - 6) / 2) <= 3, baseline
+    finally:
+        worker.close()
+
+
+def test_the_engine_a_worker_picked_shows_live_with_the_one_asked(page: Page, running_job):
+    page.goto(f"/jobs/{running_job}/")
+    expect(page.locator("#live-state")).to_have_text("live")
+    engine = page.locator("#job-engine")
+    expect(engine).to_contain_text("local (asked)")  # no worker has said yet
+    worker = Worker(running_job)
+    try:
+        worker.status(engine_used="builtin", worker="progress-test")
+        expect(engine).to_have_text("builtin (local asked; see the log)")
+        worker.status(engine_used="builtin", worker="progress-test")  # said again: once
+        expect(engine).to_have_text("builtin (local asked; see the log)")
     finally:
         worker.close()
