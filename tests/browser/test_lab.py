@@ -41,11 +41,14 @@ def test_an_environment_config_is_saved_after_a_bad_value_is_refused(page: Page,
     expect(page.locator("#env-tictactoe")).to_be_visible()
     screenshot(page, "environments.png")
     page.click("[data-testid=new-config-tictactoe]")
+    # The form's script listens once the page has loaded: an edit before that goes unheard
+    # (a race the clean-clone run lost once).
+    page.wait_for_load_state("load")
     # The preview follows the form before anything is saved.
     preview = page.locator("#preview-body")
     expect(page.locator("#preview-of")).to_have_text("(defaults)")
     page.select_option("#id_param_model_mark", "O")
-    expect(page.locator("#preview-of")).to_have_text("(this form)")
+    expect(page.locator("#preview-of")).to_have_text("(this form)", timeout=15_000)
     expect(preview).to_contain_text("as O.")
     expect(preview).not_to_contain_text("as X.")
     page.select_option("#id_param_model_mark", "random")
