@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rlcore.envs.base import Environment
+from rlcore.events import EventSink, NullSink
 from rlcore.policy.base import ConstantPolicy, Policy
 from rlcore.rollout import run_rollouts
 from rlcore.types import Example, Generation, Rollout, SamplingParams
@@ -151,7 +152,11 @@ async def run_audit(
     seed: int = 0,
     rollouts_per_step: int = 64,
     step_seconds: float | None = None,
+    sink: EventSink | None = None,
 ) -> AuditReport:
+    """The checklist on `num_examples` examples; `sink` hears progress, one player at a
+    time (the lab's audit page shows it live)."""
+    sink = sink or NullSink()
     examples = env.examples(num_examples, seed=seed)
     bounds = env.rubric.reward_bounds()
     floor = bounds[0] if bounds else 0.0
@@ -164,19 +169,24 @@ async def run_audit(
         floor=floor,
     )
     oracle_factory = env.builtin_policies().get("oracle")
+    players = exploit_players(env)
+    if "random" in env.builtin_policies():
+        players["env's random (baseline)"] = env.builtin_policies()["random"]
+    variants = GENERIC_VARIANTS | env.format_variants() if oracle_factory is not None else {}
+    total = len(players) + len(variants) + (oracle_factory is not None)
+    sink.progress(0, total, "audit")
     oracle_rollouts: list[Rollout] = []
     if oracle_factory is None:
         report.warnings.append(f"{env_name} has no oracle player; exploits are judged by 0")
     else:
         oracle_rollouts = await _play(env, oracle_factory(), examples)
         report.oracle_mean = _mean(oracle_rollouts)
+        sink.progress(1, total, "oracle")
     top = report.oracle_mean if report.oracle_mean is not None else floor + 1.0
 
-    players = exploit_players(env)
-    if "random" in env.builtin_policies():
-        players["env's random (baseline)"] = env.builtin_policies()["random"]
     for name, factory in players.items():
         played = await _play(env, factory(), examples)
+        sink.progress(len(report.exploits) + 1 + (oracle_factory is not None), total, name)
         mean = _mean(played)
         share = (mean - floor) / (top - floor) if top > floor else None
         # The env's random player plays the task (random legal moves): a baseline to
@@ -190,9 +200,9 @@ async def run_audit(
             report.warnings.append(f"trivial exploit {name!r} {note}")
 
     if oracle_factory is not None:
-        variants = GENERIC_VARIANTS | env.format_variants()
         for name, rewrite in variants.items():
             played = await _play(env, RewritingPolicy(oracle_factory(), rewrite, name), examples)
+            sink.progress(total - len(variants) + len(report.variants) + 1, total, name)
             flips = [
                 (o, p)
                 for o, p in zip(oracle_rollouts, played, strict=True)

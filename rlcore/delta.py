@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from statistics import mean, stdev
 
 from rlcore.envs.base import Environment
+from rlcore.events import EventSink, NullSink
 from rlcore.policy.base import Policy
 from rlcore.rollout import run_rollouts
 from rlcore.types import Rollout, SamplingParams
@@ -103,9 +104,20 @@ async def held_out_delta(
     rollouts_per_example: int = 1,
     sampling: SamplingParams | None = None,
     concurrency: int = 32,
+    sink: EventSink | None = None,
 ) -> DeltaReport:
+    """Both policies on the same examples; `sink` hears progress, one rollout at a time."""
+    sink = sink or NullSink()
     examples = env.examples(num_examples, seed=seed)
     sampling = sampling or SamplingParams()
+    total = 2 * len(examples) * rollouts_per_example
+    done = 0
+
+    def played(rollout: Rollout) -> None:
+        nonlocal done
+        done += 1
+        sink.progress(done, total, "base" if done <= total // 2 else "trained")
+
     tables = []
     for policy in (base, trained):
         rollouts = await run_rollouts(
@@ -115,6 +127,7 @@ async def held_out_delta(
             sampling=sampling,
             rollouts_per_example=rollouts_per_example,
             concurrency=concurrency,
+            on_result=played,
         )
         tables.append(per_example(rollouts, env))
     base_table, trained_table = tables

@@ -204,6 +204,9 @@ class Environment(ABC):
     facts: ClassVar[list[Fact]] = []
     # The heading the inspector puts over `state_views`.
     state_views_title: ClassVar[str] = "Final state"
+    # The parameter naming the judge model, for an env that scores with an LLM judge; the
+    # lab's form then recommends a judge of another family than the policy's. "" if none.
+    judge_model_param: ClassVar[str] = ""
 
     def __init__(self, **params: Any):
         self.config = validate_params(self.params, params)

@@ -77,6 +77,7 @@ class WritingEnv(SingleTurnEnv):
         "pairwise with the order randomised), with an optional length penalty."
     )
     outcome_labels = ("judged", "unjudged")
+    judge_model_param = "judge_model"
     params = [
         Param(
             "judge_base_url",
