@@ -424,7 +424,11 @@ async def game_player(
                         moves.errors.append("no answer before the run ended")
                         return
                     moves.seconds.append(time.monotonic() - sent)
-                    game = (await lab.client.get(f"/play/api/games/{game['id']}/")).json()
+                    # The message carries the game (older versions of the lab: read it).
+                    game = (
+                        answered.get("data")
+                        or (await lab.client.get(f"/play/api/games/{game['id']}/")).json()
+                    )
                     if game["status"] == "model_failed":
                         moves.errors.append(f"model failed: {game['error'][:100]}")
                         return

@@ -103,8 +103,13 @@ trap stop INT TERM EXIT
 # pooled connections. (The pool is for the web server's bursts.)
 celery_worker=(env DB_POOL_MAX_SIZE=0 .venv/bin/celery -A workers worker --loglevel INFO)
 # Training yields the CPU to Play moves and pages: a person waits on those, not on a step.
+# Each supervised command is a session of its own, and where the kernel groups sessions
+# for scheduling (autogroup, on by default in most desktop and cloud kernels) a process's
+# nice value only ranks it inside its own session's group: the group's nice is set too.
+# (lower_priority NICE COMMAND...: a program, since setsid runs it.)
+lower_priority=(bash -c 'echo "$0" >/proc/self/autogroup 2>/dev/null || true; exec nice -n "$0" "$@"')
 supervise "worker jobs" "$RLLAB_VAR_DIR/worker-jobs.log" \
-  nice -n "${JOBS_NICE:-10}" env OMP_NUM_THREADS="${JOBS_THREADS:-$jobs_threads}" \
+  "${lower_priority[@]}" "${JOBS_NICE:-10}" env OMP_NUM_THREADS="${JOBS_THREADS:-$jobs_threads}" \
   "${celery_worker[@]}" -Q "$queues" --concurrency "$WORKER_CONCURRENCY" --hostname "jobs@%h" &
 supervisors+=($!)
 supervise "worker inference" "$RLLAB_VAR_DIR/worker-inference.log" \

@@ -2,10 +2,10 @@
  *
  * A click on a cell posts the move to the JSON endpoint and shows the server's answer
  * (the game after the move, or why the move was refused). The model's move is made by a
- * worker; the websocket only says that the game changed, and the page then reads the
- * game's JSON: the database is the truth. While the model is thinking the page also
- * polls, quickly when the socket is down and slowly when it is up, since a channel
- * message can be lost. A finished game can be replayed move by move. */
+ * worker; the websocket brings the game's JSON as the worker committed it, so the page
+ * shows the move at once (a message without it makes the page read the game). While the
+ * model is thinking the page also polls, quickly when the socket is down and slowly when
+ * it is up, since a channel message can be lost. A finished game can be replayed move by move. */
 "use strict";
 
 (() => {
@@ -250,7 +250,15 @@
     };
     socket.onmessage = (event) => {
       const message = JSON.parse(event.data);
-      if (message.type === "game.update") fetchGame();
+      if (message.type !== "game.update") return;
+      // A message is the newest state the page knows of: answers of reads started
+      // before it are dropped (a message older than the board shown is not drawn).
+      if (message.data && (!game || message.data.moves.length >= game.moves.length)) {
+        shownSeq = ++requestSeq;
+        render(message.data);
+      } else {
+        fetchGame();
+      }
     };
     socket.onclose = (event) => {
       socketUp = false;

@@ -248,6 +248,10 @@ async def test_only_the_owner_may_open_the_games_socket_and_it_hears_updates():
     await database_sync_to_async(notify_game)(game.pk, status="human_turn", moves=2)
     message = await owner.receive_json_from(timeout=5)
     assert message == {"type": "game.update", "game": game.pk, "status": "human_turn", "moves": 2}
+    data = await database_sync_to_async(lambda: Game.objects.get(pk=game.pk).to_dict())()
+    await database_sync_to_async(notify_game)(game.pk, status="human_turn", moves=2, data=data)
+    message = await owner.receive_json_from(timeout=5)
+    assert message["data"] == data and message["data"]["id"] == game.pk
     await owner.disconnect()
 
 
@@ -278,6 +282,9 @@ def test_a_whole_game_against_the_oracle_on_the_worker(alice_client, oracle, cel
             # The worker announced its move on the game's group.
             message = async_to_sync(layer.receive)(channel)
             assert message["type"] == "game.update" and message["game"] == game_id
+            # ...with the game as committed: the page need not read it again.
+            assert message["data"]["moves"] == game.moves
+            assert message["data"]["status"] == game.status
         if game.status == "finished":
             break
         data = alice_client.get(f"{API}{game_id}/").json()

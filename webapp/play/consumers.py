@@ -1,8 +1,8 @@
 """The game page's websocket: ws/play/<id>/ joins the game's channel group.
 
 Only the logged-in owner of the game may subscribe; anyone else is refused during the
-handshake. The worker sends a `game.update` whenever the game changes; the page treats
-it as a notification and re-reads the game's JSON.
+handshake. The worker sends a `game.update` whenever the game changes, with the game's JSON as
+committed; the page shows it (and re-reads the game only when a message lacks it).
 """
 
 from __future__ import annotations

@@ -125,8 +125,8 @@ def _request_model_move(game: Game) -> None:
 
 
 def _notify_on_commit(game: Game) -> None:
-    game_id, status, moves = game.pk, game.status, len(game.moves)
-    transaction.on_commit(lambda: notify_game(game_id, status=status, moves=moves))
+    game_id, status, moves, data = game.pk, game.status, len(game.moves), game.to_dict()
+    transaction.on_commit(lambda: notify_game(game_id, status=status, moves=moves, data=data))
 
 
 def game_create(
