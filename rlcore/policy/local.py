@@ -39,6 +39,7 @@ from typing import Any
 
 from rlcore.policy.base import ContextExceeded, Policy, PolicyError, StopRequested
 from rlcore.policy.kv_cache import DEFAULT_MAX_BYTES, PrefixCache, growing_cache, plain_layers
+from rlcore.policy.prompts import PrefixTokenizer
 from rlcore.policy.static_decode import (
     DecodeRequest,
     StaticDecoder,
@@ -212,6 +213,11 @@ class LocalEngine(Policy):
         if max_batch_size is None:
             max_batch_size = MAX_BATCH_GPU if on_gpu and decode == "static" else MAX_BATCH_CPU
         self.max_batch_size = max_batch_size
+        # Keeps the ids of earlier prompts' beginnings: enough for every conversation of a
+        # few batches to find its previous turn's.
+        self._prompt_tokenizer = PrefixTokenizer(
+            self.tokenizer, max_entries=max(8192, 4 * max_batch_size)
+        )
         self._generation_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
@@ -377,16 +383,17 @@ class LocalEngine(Policy):
     # -- the torch side --------------------------------------------------------------------
     def _run_batch(self, batch: list[_Request]) -> list[Generation | PolicyError]:
         """One batched generation (blocking; runs on the worker thread): the batch's prompts
-        tokenized in one call, then generated together, one batch at a time (the model and
-        its memory are shared with whoever else holds this engine). A request whose prompt
+        tokenized in one call (reusing the ids of earlier prompts they extend: prompts.py),
+        then generated together, one batch at a time (the model and its memory are shared
+        with whoever else holds this engine). A request whose prompt
         the context cannot hold gets its ContextExceeded in its place and is not generated."""
         import torch
 
-        tokenized = self.tokenizer([r.text for r in batch], add_special_tokens=False)
+        tokenized = self._prompt_tokenizer.encode([r.text for r in batch])
         results: list[Generation | PolicyError | None] = [None] * len(batch)
         requests = []
-        for index, (request, ids) in enumerate(zip(batch, tokenized["input_ids"], strict=True)):
-            request.prompt_ids = list(ids)
+        for index, (request, ids) in enumerate(zip(batch, tokenized, strict=True)):
+            request.prompt_ids = ids
             try:
                 request.max_new_tokens = self._room(request.prompt_ids, request.sampling)
             except ContextExceeded as exc:
