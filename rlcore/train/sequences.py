@@ -58,12 +58,14 @@ def think_length(completion_ids: list[int], pieces: dict[int, str], tokenizer) -
     return 0
 
 
-Assembled = tuple[list[int], list[float] | None, list[int], list[int]]
+# A run of a sequence's tokens: (the turn whose completion it is, or -1 for prompt and
+# environment tokens, how many tokens).
+Segment = tuple[int, int]
+Assembled = tuple[list[int], list[float] | None, list[Segment]]
 
 
 def _assemble(rollout: Rollout) -> list[Assembled]:
-    """Each sequence's input ids and sampled logprobs, with the turn index of every token
-    and its position in that turn's completion (both -1 off completions).
+    """Each sequence's input ids and sampled logprobs, and its runs of tokens (`Segment`).
 
     Turn k+1 joins the current sequence when its prompt starts with that sequence (prompt
     and completion so far): only the new tokens, the env's reply and the next assistant
@@ -71,31 +73,34 @@ def _assemble(rollout: Rollout) -> list[Assembled]:
     sequences: list[Assembled] = []
     for index, turn in enumerate(rollout.turns):
         if sequences and turn.prompt_ids[: len(sequences[-1][0])] == sequences[-1][0]:
-            input_ids, logprobs, turn_ids, offsets = sequences[-1]
+            input_ids, logprobs, segments = sequences[-1]
             new_prompt = turn.prompt_ids[len(input_ids) :]
         else:
-            input_ids, logprobs, turn_ids, offsets = [], [], [], []
-            sequences.append((input_ids, logprobs, turn_ids, offsets))
+            input_ids, logprobs, segments = [], [], []
+            sequences.append((input_ids, logprobs, segments))
             new_prompt = turn.prompt_ids
         input_ids.extend(new_prompt)
         input_ids.extend(turn.completion_ids)
-        turn_ids.extend([-1] * len(new_prompt) + [index] * len(turn.completion_ids))
-        offsets.extend([-1] * len(new_prompt) + list(range(len(turn.completion_ids))))
+        segments.append((-1, len(new_prompt)))
+        segments.append((index, len(turn.completion_ids)))
         if logprobs is not None:
             logprobs.extend([0.0] * len(new_prompt))
             logprobs.extend(turn.logprobs or [])
             if turn.logprobs is None:
-                sequences[-1] = (input_ids, None, turn_ids, offsets)
+                sequences[-1] = (input_ids, None, segments)
     return sequences
 
 
 def build_sequences(rollout: Rollout) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) of each sequence of a rollout: the mask is 1 exactly on the
     sampled completion tokens."""
-    return [
-        (input_ids, [int(turn >= 0) for turn in turn_ids])
-        for input_ids, _, turn_ids, _ in _assemble(rollout)
-    ]
+    result = []
+    for input_ids, _, segments in _assemble(rollout):
+        mask: list[int] = []
+        for turn, length in segments:
+            mask += [int(turn >= 0)] * length
+        result.append((input_ids, mask))
+    return result
 
 
 def training_sequences(
@@ -113,26 +118,30 @@ def training_sequences(
             f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
         )
     result = []
-    for input_ids, logprobs, turn_ids, offsets in _assemble(rollout):
-        trained = [
-            turn >= 0 and offset >= (think_lengths[turn] if think_lengths else 0)
-            for turn, offset in zip(turn_ids, offsets, strict=True)
-        ]
+    for input_ids, logprobs, segments in _assemble(rollout):
+        # Per completion run: its untrained think block, then its trained tokens. Lists
+        # are built a run at a time: per token, this was most of a large step's scoring.
+        runs = []
         sizes: dict[int, int] = {}
-        for turn, keep in zip(turn_ids, trained, strict=True):
-            if keep:
-                sizes[turn] = sizes.get(turn, 0) + 1
+        for turn, length in segments:
+            think = think_lengths[turn] if think_lengths and turn >= 0 else 0
+            skipped = length if turn < 0 else min(length, max(think, 0))
+            runs.append((turn, skipped, length - skipped))
+            if length > skipped:
+                sizes[turn] = sizes.get(turn, 0) + length - skipped
+        weights: list[float] = []
+        advantages: list[float] = []
+        for turn, skipped, trained in runs:
+            weights += [0.0] * skipped
+            advantages += [0.0] * skipped
+            if trained:
+                weights += [_share(aggregation, sizes, turn)] * trained
+                advantages += [turn_advantages[turn]] * trained
         result.append(
             TrainingSequence(
                 input_ids=input_ids,
-                weights=[
-                    _share(aggregation, sizes, t) if keep else 0.0
-                    for t, keep in zip(turn_ids, trained, strict=True)
-                ],
-                advantages=[
-                    turn_advantages[t] if keep else 0.0
-                    for t, keep in zip(turn_ids, trained, strict=True)
-                ],
+                weights=weights,
+                advantages=advantages,
                 sampled_logprobs=logprobs,
                 turns=len(sizes),
             )
