@@ -36,6 +36,7 @@ LOSS_TYPES = ("grpo", "cispo", "dr_grpo")
 LR_SCHEDULES = ("cosine", "constant")
 LOSS_AGGREGATIONS = ("token", "sequence", "turn")
 ADVANTAGES = ("group", "tree", "none")
+PLACEMENTS = ("colocated", "split")
 
 # The accepted values of every choice, by field name.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -44,6 +45,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "type": LOSS_TYPES,
     "aggregation": LOSS_AGGREGATIONS,
     "advantage": ADVANTAGES,
+    "placement": PLACEMENTS,
 }
 
 # The range of every number a config takes, inclusive, by field name (a name means the
@@ -293,6 +295,11 @@ class RLConfig:
     """seed of the example stream, sampling and torch"""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda"""
+    placement: str = "colocated"
+    """where generation runs: "colocated" samples rollouts from the trainer's own model
+    (one GPU); "split" generates on cuda:0 and trains on cuda:1, copying the weights to
+    the generation side after every optimizer step (needs two GPUs; on device cpu both
+    sides are the CPU)"""
     max_steps: int = 100
     """optimizer steps (one batch of rollouts each)"""
     batch_size: int = 32

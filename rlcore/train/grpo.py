@@ -4,7 +4,8 @@ One step, as `run_rl` does it from top to bottom:
 1. draw `batch_size / rollouts_per_example` fresh examples, an even mix of the env's
    groups (`StratifiedSampler`);
 2. play `rollouts_per_example` rollouts of each with a `LocalEngine` that shares the
-   training model, so rollouts always sample the current weights;
+   training model, so rollouts always sample the current weights (or, with placement
+   "split", holds a copy on another GPU that gets the weights after every step);
 3. score them (the env's rubric already did: `rollout.reward`) and turn rewards into
    advantages (`step_advantages`: GRPO's group baseline or per-move credit, plus the env's
    own per-move verdicts with `turn_reward_weight`);
@@ -15,6 +16,10 @@ One step, as `run_rl` does it from top to bottom:
    logprobs in a no-grad pass; then `num_iterations` optimizer updates on `policy_loss`
    (grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
+
+In a data-parallel run (rlcore/train/distributed.py) this process is rank 0: it does all of
+the above, and step 5 runs on every rank, each on its share of the sequences, with the
+gradients and metric sums added up over the ranks.
 
 A stop request (the sink's `should_stop`) is heard inside a step, not only between steps:
 the engine abandons a generation between tokens, rollouts end before their next turn, and
@@ -65,6 +70,12 @@ from rlcore.train.common import (
     seed_everything,
 )
 from rlcore.train.config import LossConfig, RLConfig, save_config
+from rlcore.train.distributed import (
+    copy_weights,
+    current_ranks,
+    generation_model,
+    placement_devices,
+)
 from rlcore.train.sampling import StratifiedSampler, rollout_sample
 from rlcore.train.sequences import (
     TrainingSequence,
@@ -79,7 +90,7 @@ from rlcore.train.sequences import (
 from rlcore.types import Rollout, SamplingParams
 
 # Config fields a resumed run may change without changing what it computes.
-RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts"}  # fmt: skip
+RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -227,7 +238,8 @@ class StepSums:
     """Metric sums of one step, kept on the device while its micro-batches run: reading a
     GPU value makes the host wait for all the work queued before it, so a read per
     micro-batch would stall the loop on every one. `to_host` copies them all at once,
-    after the step."""
+    after the step. In a data-parallel run the sums are added up over the ranks (the
+    gradient norm, alike on every rank, is kept as it is)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -239,10 +251,11 @@ class StepSums:
             self.sums[key] = value.detach() if previous is None else previous + value.detach()
 
     def to_host(self) -> Counter:
-        keys = list(self.sums)
+        sums = current_ranks().sum_dict(self.sums, alike={"grad_norm"})
+        keys = list(sums)
         if not keys:
             return Counter()
-        values = torch.stack([self.sums[key].to(self.device, torch.float64) for key in keys])
+        values = torch.stack([sums[key].to(self.device, torch.float64) for key in keys])
         return Counter(dict(zip(keys, values.tolist(), strict=True)))
 
 
@@ -338,6 +351,7 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
             loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
             loss.backward()
             sums.add(stats)
+        current_ranks().sum_gradients(learner.model)  # data-parallel: every rank's share
         sums.add({"grad_norm": clip_gradients(learner.model, cfg.optimizer.max_grad_norm)})
         lr = learner.scheduler.get_last_lr()[0]
         learner.optimizer.step()  # with nothing trainable no parameter has a gradient
@@ -356,8 +370,39 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     }
 
 
+def learn(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict:
+    """Step 5 on a batch: old and reference logprobs when several updates or a KL term
+    need them, then the updates; their metrics."""
+    scored = {}
+    if cfg.num_iterations > 1 or learner.reference is not None:
+        scored = score_sequences(learner, sequences, cfg)
+    return scored | update_policy(learner, sequences, normalizer, cfg)
+
+
 # ---------------------------------------------------------------------------------------
 # The training loop
+
+
+def build_learner(cfg: RLConfig, device: torch.device, should_stop: Callable[[], bool]):
+    """The learner of `cfg` on `device` (policy, optional frozen reference, optimizer and
+    schedule, restored from `cfg.resume_from` when set), its tokenizer, and the resumed
+    trainer state (None for a fresh run)."""
+    model, tokenizer = load_model_and_tokenizer(cfg.resume_from or cfg.model, device)
+    model.eval()  # no dropout: the importance ratio must be exactly 1 before an update
+    reference = None
+    if cfg.loss.beta > 0:
+        reference, _ = load_model_and_tokenizer(cfg.model, device)
+        reference.eval().requires_grad_(False)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.max_steps * cfg.num_iterations)
+    state = None
+    if cfg.resume_from:
+        state = load_trainer_state(cfg.resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    learner = Learner(
+        model, reference, optimizer, scheduler, tokenizer.pad_token_id, device, should_stop
+    )
+    return learner, tokenizer, state
 
 
 def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local") -> str | None:
@@ -369,7 +414,10 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
     update; the local engine, with a warning in the log, where vLLM cannot run)."""
     sink = sink or NullSink()
     cfg.validate()
-    device = resolve_device(cfg.device)
+    ranks = current_ranks()  # one rank unless launched data-parallel
+    device, generation_device = placement_devices(
+        cfg.placement, ranks.device(resolve_device(cfg.device))
+    )
     seed_everything(cfg.seed)
     output_dir = Path(cfg.output_dir)
     save_config(cfg, output_dir)
@@ -381,17 +429,15 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             f"turn_reward_weight={cfg.turn_reward_weight} needs an env with per-turn rewards; "
             f"{env.name!r} judges whole episodes only (set turn_reward_weight = 0)"
         )
-    model, tokenizer = load_model_and_tokenizer(cfg.resume_from or cfg.model, device)
-    model.eval()  # no dropout: the importance ratio must be exactly 1 before an update
-    reference = None
-    if cfg.loss.beta > 0:
-        reference, _ = load_model_and_tokenizer(cfg.model, device)
-        reference.eval().requires_grad_(False)
-    optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.max_steps * cfg.num_iterations)
+    # Ranks must run an update's collectives together: only one process hears a stop
+    # between its micro-batches.
+    learner, tokenizer, state = build_learner(cfg, device, ranks.inside_step(sink.should_stop))
+    model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
+    generator = generation_model(model, cfg.placement, generation_device)
     sampler = StratifiedSampler(env, cfg.seed, cfg.batch_size // cfg.rollouts_per_example)
     rollouts_engine, _ = rollout_engine(
         engine,
-        model=model,
+        model=generator,
         tokenizer=tokenizer,
         path=model_path(cfg.resume_from or cfg.model),
         should_stop=sink.should_stop,
@@ -402,17 +448,11 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         top_p=cfg.sampling.top_p,
         max_tokens=cfg.sampling.max_tokens,
     )
-    learner = Learner(
-        model, reference, optimizer, scheduler, tokenizer.pad_token_id, device, sink.should_stop
-    )
     aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     start_step, last_saved = 0, cfg.resume_from
-    if cfg.resume_from:
-        state = load_trainer_state(cfg.resume_from)
+    if state is not None:
         if changed := changed_settings(cfg.resume_from, cfg, RESUMABLE_CHANGES):
             sink.log(f"rl: resuming with changed settings {changed}", "warning")
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         restore_random_states(state["random"])
         start_step = state["step"]
@@ -500,12 +540,11 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
-            #    then the updates; a stop request between micro-batches drops the step.
-            scored = {}
+            #    then the updates (each rank on its share in a data-parallel run); a stop
+            #    request between micro-batches drops the step.
             try:
-                if cfg.num_iterations > 1 or reference is not None:
-                    scored = score_sequences(learner, sequences, cfg)
-                updated = update_policy(learner, sequences, normalizer, cfg)
+                trained = learn(learner, ranks.share(sequences, normalizer), normalizer, cfg)
+                copy_weights(model, generator)  # split placement: the engine's copy
                 sync_weights(rollouts_engine, model)  # vLLM samples the updated weights
             except StepStopped as stopped:
                 return stop(step, stopped.where, stopped.updates, start)
@@ -517,7 +556,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             metrics |= {
                 f"outcome/{label}": metrics.get(f"outcome/{label}", 0.0) for label in outcome_labels
             }
-            metrics |= scored | updated | advantage_metrics
+            metrics |= trained | advantage_metrics
             metrics |= {
                 # Tokens through the trainer (prompts included) per second of the step.
                 "perf/tokens_per_s": sum(len(s.input_ids) for s in sequences) / step_seconds,

@@ -10,7 +10,9 @@ decay, gradient accumulation over micro-batches sorted by length, gradient clipp
 bf16 autocast on CUDA, checkpoints in Hugging Face format.
 
 Model loading, the optimizer and its schedule, and checkpoints come from
-`rlcore.train.common`, shared with the RL trainer.
+`rlcore.train.common`, shared with the RL trainer. In a data-parallel run
+(rlcore/train/distributed.py) every rank runs this loop over the same batches, trains on
+its share of each, and the gradients are summed over the ranks; rank 0 reports and saves.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from rlcore.train.common import (
     seed_everything,
 )
 from rlcore.train.config import SFTConfig, save_config
+from rlcore.train.distributed import current_ranks
 from rlcore.types import Message
 
 # ---------------------------------------------------------------------------------------
@@ -172,10 +175,12 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
     says True the run saves the weights after the last complete step and returns them."""
     sink = sink or NullSink()
     cfg.validate()
-    device = resolve_device(cfg.device)
+    ranks = current_ranks()  # one rank unless launched data-parallel
+    device = ranks.device(resolve_device(cfg.device))
     seed_everything(cfg.seed)
     output_dir = Path(cfg.output_dir)
-    save_config(cfg, output_dir)
+    if ranks.is_main:
+        save_config(cfg, output_dir)
 
     # Data: tokenize every conversation once, masking everything but assistant turns.
     conversations = load_sft_dataset(cfg.dataset)
@@ -206,20 +211,30 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
     order: list[int] = []
     lengths = [len(ids) for ids, _ in examples]
     model.train()
+    # Every rank must stop at the same step: rank 0's answer is everyone's. Between
+    # micro-batches only a run of one process stops.
+    stop_requested = ranks.agreed(sink.should_stop)
+    stop_inside_step = ranks.inside_step(sink.should_stop)
+
+    def save(step: int, path: Path) -> str:
+        """Rank 0 saves a checkpoint and reports it; the other ranks hold the same weights."""
+        if ranks.is_main:
+            save_checkpoint(model, tokenizer, cfg, path)
+            sink.checkpoint(step, str(path))
+        return str(path)
 
     def stop(step: int, where: str) -> str:
         """Save the weights after step `step` - 1 and say where the stop was heard. A stop
         inside a step drops that step's gradients: no optimizer step from a partial batch,
         so the weights saved are exactly those after the last complete step."""
         optimizer.zero_grad(set_to_none=True)
-        path = save_checkpoint(model, tokenizer, cfg, checkpoint_dir(output_dir, step - 1))
-        sink.checkpoint(step - 1, path)
+        path = save(step - 1, checkpoint_dir(output_dir, step - 1))
         sink.log(f"sft: stopped on request {where}; checkpoint {path}", "warning")
         return path
 
     milestones = Milestones(sink, "sft", 1, total_steps, ["loss/sft"])
     for step in range(1, total_steps + 1):
-        if sink.should_stop():
+        if stop_requested():
             return stop(step, f"after step {step - 1}")
         started = time.monotonic()
 
@@ -235,11 +250,11 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         # Forward and backward per micro-batch; the loss is the mean over every assistant
         # token of the whole batch, so accumulation gives the same gradient as one pass.
         # The loss stays on the device until the step ends: reading it per micro-batch
-        # would make the host wait for the GPU each time.
+        # would make the host wait for the GPU each time. Each rank takes its share.
         total_loss, seen_tokens = torch.zeros((), device=device), 0
-        chunks = length_sorted_chunks(batch, lengths, cfg.micro_batch_size)
+        chunks = length_sorted_chunks(ranks.deal(batch), lengths, cfg.micro_batch_size)
         for index, chunk in enumerate(chunks):
-            if index and sink.should_stop():
+            if index and stop_inside_step():
                 where = f"inside step {step}, micro-batch {index + 1} of {len(chunks)} not run"
                 return stop(step, f"{where}; the step is dropped")
             chunk_examples = [examples[i] for i in chunk]
@@ -250,12 +265,17 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
             total_loss += loss.detach()
             seen_tokens += sum(len(ids) for ids, _ in chunk_examples)
 
+        ranks.sum_gradients(model)
         grad_norm = clip_gradients(model, cfg.optimizer.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        total_loss, grad_norm = torch.stack([total_loss, grad_norm.to(device)]).tolist()
+        # Loss and tokens added up over the ranks; the norm, alike on every rank, is
+        # divided first so that the sum gives it back.
+        step_sums = [total_loss, torch.tensor(float(seen_tokens)), grad_norm / ranks.world_size]
+        step_sums = ranks.sum(torch.stack([value.to(device) for value in step_sums]))
+        total_loss, seen_tokens, grad_norm = step_sums.tolist()
 
         seconds = time.monotonic() - started
         sink.metric(
@@ -271,11 +291,9 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         milestones.step(step, {"loss/sft": total_loss}, seconds)
         sink.progress(step, total_steps, "sft")
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-            path = save_checkpoint(model, tokenizer, cfg, checkpoint_dir(output_dir, step))
-            sink.checkpoint(step, path)
+            save(step, checkpoint_dir(output_dir, step))
 
-    path = save_checkpoint(model, tokenizer, cfg, output_dir / "final")
-    sink.checkpoint(total_steps, path)
+    path = save(total_steps, output_dir / "final")
     milestones.summary()
     sink.log(f"sft: final checkpoint {path}")
     return path

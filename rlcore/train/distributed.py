@@ -1,0 +1,485 @@
+"""Training on more than one device: generation and training on two devices of one process
+(split placement), and SFT and the RL update data-parallel over n processes with
+`torch.distributed`.
+
+Placement (`RLConfig.placement`): "colocated", the default, gives the rollout engine the
+trainer's own model, so it always samples the current weights. "split" gives the engine a
+copy on another device (generation on cuda:0, training on cuda:1; on a CPU both are the
+CPU, which is how the tests run it) and copies the trainer's parameters into it in place
+after every optimizer step (`copy_weights`): the static decoder's CUDA graphs read the
+parameters by address, so an in-place copy keeps them valid (rlcore/policy/static_decode.py).
+The copy has the trainer's dtype, so both placements sample the same distribution.
+
+Data parallel (`launch`): rank 0 is the calling process (a Celery worker's pool process,
+the CLI, a benchmark); ranks 1..n-1 are child processes started as torchrun starts them
+(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) running
+`python -m rlcore.train.distributed TARGET PAYLOAD`. Rank r trains on cuda:r (NCCL) or the
+CPU (gloo); a gloo group beside the default one carries Python objects and stop flags.
+- SFT: every rank runs `run_sft`, draws the same batches, trains on its share of each
+  (`Ranks.deal`); only rank 0 reports and saves.
+- RL: rank 0 runs `run_rl` whole (rollouts, advantages, logging, checkpoints); each step
+  it deals the training sequences out (`Ranks.share`) and every rank takes its share
+  through the same update (`follow_rl` on ranks 1..n-1). Generation is not split: it
+  stays on rank 0, so the update is what gets faster.
+In both, each rank's loss is its share of the batch's loss (the sum over its tokens divided
+by the whole batch's normalizer), so the gradients are summed over the ranks, once after
+accumulation (`Ranks.sum_gradients`), and every rank takes the same optimizer step. This is
+DDP's arithmetic without its wrapper: DDP averages at every backward and needs every rank
+to run the same number of them, where ours accumulate over however many micro-batches
+their share holds (possibly none). Metric sums are added up over the ranks the same way.
+
+Stop requests: the ranks must run the same collectives, so in a data-parallel run a stop is
+heard before a step (SFT: rank 0's answer is broadcast) or during rank 0's rollouts (RL),
+never between micro-batches of an update.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+# How long a rank waits in one collective: followers wait through rank 0's rollouts.
+TIMEOUT_S = float(os.environ.get("RLCORE_DIST_TIMEOUT_S", "1800"))
+# Gradients are summed in flat buckets of about this many bytes.
+BUCKET_BYTES = 64 << 20
+ROOT = Path(__file__).resolve().parents[2]
+ResultT = TypeVar("ResultT")
+
+
+# ---------------------------------------------------------------------------------------
+# Placement
+
+
+def placement_devices(placement: str, device: torch.device) -> tuple[torch.device, torch.device]:
+    """(training device, generation device) for `placement` given the run's `device`."""
+    if placement == "colocated":
+        return device, device
+    if placement != "split":
+        raise ValueError(f"placement must be colocated or split, got {placement!r}")
+    if device.type == "cpu":
+        return device, device
+    count = torch.cuda.device_count()
+    if count < 2:
+        raise ValueError(
+            f"placement='split' needs two CUDA GPUs (generation on cuda:0, training on "
+            f"cuda:1) but torch sees {count}; use placement='colocated' or device='cpu'"
+        )
+    return torch.device("cuda", 1), torch.device("cuda", 0)
+
+
+def generation_model(model: torch.nn.Module, placement: str, device: torch.device):
+    """What the rollout engine samples from: the trainer's `model` itself (colocated) or a
+    frozen copy of it on `device` (split)."""
+    if placement == "colocated":
+        return model
+    return copy.deepcopy(model).to(device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """`target`'s parameters set to `source`'s in place (nothing when they are one model).
+    A copy between two GPUs is ordered after the work queued on both, so the next
+    generation reads the new weights without the host waiting here."""
+    if source is target:
+        return
+    for into, value in zip(target.parameters(), source.parameters(), strict=True):
+        into.copy_(value, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Ranks
+
+
+def never() -> bool:
+    return False
+
+
+@dataclass
+class Ranks:
+    """This process's place among the ranks of a run (one rank when not data-parallel),
+    and the collectives the trainers call; each is a no-op with one rank."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = ""
+    control: Any = None  # a gloo group for Python objects and flags
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def collective_device(self) -> torch.device:
+        return (
+            torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        )
+
+    def device(self, device: torch.device) -> torch.device:
+        """This rank's device for a run on `device`: cuda:LOCAL_RANK in a data-parallel run."""
+        if self.parallel and device.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def deal(self, items: list) -> list:
+        """This rank's share of `items` (every world_size-th one)."""
+        return items[self.rank :: self.world_size]
+
+    def agreed(self, ask: Callable[[], bool]) -> Callable[[], bool]:
+        """`ask` as every rank must call it together: rank 0's answer, broadcast."""
+        if not self.parallel:
+            return ask
+
+        def answer() -> bool:
+            flag = torch.tensor([int(ask()) if self.is_main else 0])
+            dist.broadcast(flag, src=0, group=self.control)
+            return bool(flag.item())
+
+        return answer
+
+    def inside_step(self, ask: Callable[[], bool]) -> Callable[[], bool]:
+        """`ask` where one rank may act on it alone (between micro-batches): itself in one
+        process, never in a data-parallel run (the ranks would stop at different points)."""
+        return never if self.parallel else ask
+
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        """Every parameter's gradient summed over the ranks, on every rank. A parameter
+        some rank has a gradient for gets one everywhere (zeros where it had none), so the
+        ranks' optimizers step the same parameters; one no rank touched keeps None, as in
+        one process."""
+        if not self.parallel:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        device = self.collective_device
+        touched = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        touched = touched.to(device)
+        dist.all_reduce(touched)
+        grads = []
+        for param, count in zip(params, touched.tolist(), strict=True):
+            if count:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+        for bucket in _buckets(grads):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat)
+            for grad, summed in zip(
+                bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
+            ):
+                grad.copy_(summed)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` added up over the ranks (every rank passes the same shape)."""
+        if not self.parallel:
+            return values
+        summed = values.to(self.collective_device)
+        dist.all_reduce(summed)
+        return summed.to(values.device)
+
+    def sum_dict(self, sums: dict[str, torch.Tensor], alike=()) -> dict[str, torch.Tensor]:
+        """Named 0-dim sums added up over the ranks; a rank without some name counts 0 for
+        it. Names in `alike` hold a value every rank has the same (a gradient norm): it
+        is kept, not multiplied."""
+        if not self.parallel:
+            return sums
+        names: list = [None] * self.world_size
+        dist.all_gather_object(names, sorted(sums), group=self.control)
+        keys = sorted(set().union(*names))
+        device = self.collective_device
+        values = torch.stack(
+            [
+                sums[k].to(device, torch.float64)
+                if k in sums
+                else torch.zeros((), dtype=torch.float64, device=device)
+                for k in keys
+            ]
+        )
+        dist.all_reduce(values)
+        return {
+            k: v / self.world_size if k in alike else v for k, v in zip(keys, values, strict=True)
+        }
+
+    def share(self, sequences: list, normalizer: float) -> list:
+        """Rank 0: send each follower its share of a step's training sequences (by
+        length, round robin, trained ones first, so shares cost alike) and the batch's
+        loss normalizer; returns rank 0's own share."""
+        if not self.parallel:
+            return sequences
+        ordered = sorted(sequences, key=lambda s: (not any(s.advantages), len(s.input_ids)))
+        shares = [(ordered[r :: self.world_size], normalizer) for r in range(self.world_size)]
+        return self._scatter(shares)[0]
+
+    def receive(self) -> tuple[list, float] | None:
+        """A follower: its share of the next step and the normalizer, or None at the end."""
+        return self._scatter(None)
+
+    def end(self) -> None:
+        """Rank 0: tell the followers the run is over (they return from `follow_rl`)."""
+        if self.parallel:
+            self._scatter([None] * self.world_size)
+
+    def _scatter(self, messages):
+        received: list = [None]
+        dist.scatter_object_list(received, messages, src=0, group=self.control)
+        return received[0]
+
+
+def _buckets(tensors: list[torch.Tensor]):
+    bucket, size = [], 0
+    for tensor in tensors:
+        if bucket and (size >= BUCKET_BYTES or tensor.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += tensor.numel() * tensor.element_size()
+    if bucket:
+        yield bucket
+
+
+_current = Ranks()
+
+
+def current_ranks() -> Ranks:
+    """The ranks of the run this process takes part in (one rank unless `launch`ed)."""
+    return _current
+
+
+def init_ranks(rank: int, world_size: int, backend: str, address: str, timeout_s: float) -> Ranks:
+    """Join the process group at `address` (host:port) as `rank` of `world_size`."""
+    global _current
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    control = (
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if backend != "gloo"
+        else dist.group.WORLD
+    )
+    _current = Ranks(rank, world_size, local_rank, backend, control)
+    return _current
+
+
+def close_ranks() -> None:
+    global _current
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _current = Ranks()
+
+
+# ---------------------------------------------------------------------------------------
+# Launching
+
+
+def backend_for(device: str) -> str:
+    """nccl for a run on CUDA GPUs, gloo on the CPU."""
+    on_gpu = device != "cpu" and torch.cuda.is_available()
+    return "nccl" if on_gpu else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(
+    main: Callable[[], ResultT],
+    follower: str,
+    payload: Any,
+    *,
+    processes: int,
+    backend: str,
+    log_dir: str | Path | None = None,
+    timeout_s: float = TIMEOUT_S,
+) -> ResultT:
+    """Run `main()` here as rank 0 of `processes` ranks and `follower` ("module:function",
+    called with the JSON `payload`) in child processes as ranks 1..n-1; returns what
+    `main` returned. Each child's output goes to `log_dir`/rank_N.log; a child that fails
+    makes the run fail with the end of its log."""
+    if processes < 2:
+        return main()
+    if backend == "nccl" and torch.cuda.device_count() < processes:
+        raise ValueError(
+            f"{processes} data-parallel processes need {processes} CUDA GPUs; torch sees "
+            f"{torch.cuda.device_count()}"
+        )
+    address = f"127.0.0.1:{_free_port()}"
+    logs = Path(log_dir or tempfile.mkdtemp(prefix="rlcore-ranks-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    payload_path = logs / "rank_payload.json"
+    payload_path.write_text(json.dumps(payload))
+    env = os.environ | {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": address.split(":")[1],
+        "WORLD_SIZE": str(processes),
+        "LOCAL_WORLD_SIZE": str(processes),
+        "RLCORE_DIST_BACKEND": backend,
+        "RLCORE_DIST_TIMEOUT_S": str(timeout_s),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    children = []
+    for rank in range(1, processes):
+        log = (logs / f"rank_{rank}.log").open("w")
+        command = [sys.executable, "-m", "rlcore.train.distributed", follower, str(payload_path)]
+        rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+        children.append(
+            (
+                rank,
+                subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT),
+                log,
+            )
+        )
+    try:
+        init_ranks(0, processes, backend, address, timeout_s)
+        result = main()
+    except BaseException as exc:
+        failed = _failed_children(children, wait_s=2)
+        if failed:
+            raise RuntimeError(f"data-parallel run failed on rank 0 ({exc}); {failed}") from exc
+        raise
+    finally:
+        close_ranks()
+        for _, child, _ in children:
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        for _, _, log in children:
+            log.close()
+    if failed := _failed_children(children, wait_s=0):
+        raise RuntimeError(f"data-parallel run: {failed}")
+    return result
+
+
+def _failed_children(children, wait_s: float) -> str:
+    """What the children that exited with an error said at the end of their logs."""
+    reports = []
+    for rank, child, log in children:
+        try:
+            code = child.wait(timeout=wait_s) if wait_s else child.poll()
+        except subprocess.TimeoutExpired:
+            continue
+        if code:
+            log.flush()
+            tail = Path(log.name).read_text(errors="replace")[-2000:]
+            reports.append(f"rank {rank} exited with {code} ({log.name}):\n{tail}")
+    return "\n".join(reports)
+
+
+def data_parallel_processes(gpus: int, cfg) -> int:
+    """How many data-parallel processes a job asking for `gpus` GPUs runs: all of them,
+    unless its RL run splits generation and training over two GPUs in one process."""
+    if gpus > 1 and getattr(cfg, "placement", "colocated") == "colocated":
+        return gpus
+    return 1
+
+
+def run_sft_ranks(cfg, sink=None, *, processes: int = 1) -> str:
+    """`run_sft`, data-parallel over `processes` ranks."""
+    from rlcore.train.sft import run_sft
+
+    return launch(
+        lambda: run_sft(cfg, sink),
+        "rlcore.train.distributed:follow_sft",
+        cfg.to_dict(),
+        processes=processes,
+        backend=backend_for(cfg.device),
+        log_dir=Path(cfg.output_dir) / "ranks",
+    )
+
+
+def run_rl_ranks(cfg, sink=None, *, processes: int = 1, engine: str = "local") -> str | None:
+    """`run_rl` with its updates data-parallel over `processes` ranks."""
+    from rlcore.train.grpo import run_rl
+
+    if processes > 1 and cfg.placement != "colocated":
+        raise ValueError(
+            f"placement={cfg.placement!r} runs in one process over two devices; a "
+            f"data-parallel run ({processes} processes) takes placement='colocated'"
+        )
+
+    def main() -> str | None:
+        path = run_rl(cfg, sink, engine=engine)
+        current_ranks().end()  # after a failure the followers fail with the closed group
+        return path
+
+    return launch(
+        main,
+        "rlcore.train.distributed:follow_rl",
+        cfg.to_dict(),
+        processes=processes,
+        backend=backend_for(cfg.device),
+        log_dir=Path(cfg.output_dir) / "ranks",
+    )
+
+
+def follow_sft(settings: dict) -> None:
+    """Ranks 1..n-1 of a data-parallel SFT run: the same run, silent."""
+    from rlcore.train.config import SFTConfig, build_config
+    from rlcore.train.sft import run_sft
+
+    run_sft(build_config(SFTConfig, [("rank 0", settings)]))
+
+
+def follow_rl(settings: dict) -> None:
+    """Ranks 1..n-1 of a data-parallel RL run: the learner rank 0 has, taking its share
+    of every step's update until rank 0 says the run is over."""
+    from rlcore.train.common import resolve_device, seed_everything
+    from rlcore.train.config import RLConfig, build_config
+    from rlcore.train.grpo import build_learner, learn
+
+    cfg = build_config(RLConfig, [("rank 0", settings)])
+    ranks = current_ranks()
+    seed_everything(cfg.seed)
+    learner, _, _ = build_learner(cfg, ranks.device(resolve_device(cfg.device)), never)
+    while (message := ranks.receive()) is not None:
+        sequences, normalizer = message
+        learn(learner, sequences, normalizer, cfg)
+
+
+def _follower_main(argv: list[str]) -> None:
+    target, payload_path = argv
+    module, _, function = target.partition(":")
+    payload = json.loads(Path(payload_path).read_text())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    init_ranks(rank, world_size, os.environ["RLCORE_DIST_BACKEND"], address, TIMEOUT_S)
+    try:
+        getattr(__import__(module, fromlist=[function]), function)(payload)
+    finally:
+        close_ranks()
+
+
+if __name__ == "__main__":
+    # Run from the imported module, not this `__main__` copy: the trainers ask the
+    # imported one which rank they are.
+    from rlcore.train.distributed import _follower_main as follower_main
+
+    follower_main(sys.argv[1:])

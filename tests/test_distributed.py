@@ -1,0 +1,260 @@
+"""Training on more than one device, on the CPU: two gloo ranks take the same SFT step and
+the same RL update as one process, and the split placement's generation copy follows the
+trainer's weights."""
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlcore.envs.registry import load_environment
+from rlcore.events import RecordingSink
+from rlcore.policy.local import LocalEngine
+from rlcore.train.common import load_model_and_tokenizer
+from rlcore.train.config import ConfigError, RLConfig, SFTConfig, build_config
+from rlcore.train.distributed import (
+    copy_weights,
+    current_ranks,
+    data_parallel_processes,
+    generation_model,
+    launch,
+    never,
+    placement_devices,
+    run_rl_ranks,
+    run_sft_ranks,
+)
+from rlcore.train.grpo import build_learner, learn, loss_normalizer
+from rlcore.train.sequences import TrainingSequence
+from rlcore.train.sft import run_sft
+from rlcore.types import SamplingParams
+
+REVERSE_AB = {"mode": "random", "min_chars": 2, "max_chars": 3, "alphabet": "ab"}
+
+
+def final_weights(path) -> dict[str, torch.Tensor]:
+    return load_file(f"{path}/model.safetensors")
+
+
+def assert_same_weights(one, other):
+    """Equal up to numerical noise: a gradient entry near 0 that differs in its last bits
+    between one process and two can move its weight by a visible fraction of a step in
+    Adam (lr 1e-2 here), so the tolerance is 1% of a step."""
+    assert one.keys() == other.keys()
+    for name in one:
+        torch.testing.assert_close(
+            one[name],
+            other[name],
+            rtol=1e-4,
+            atol=1e-4,
+            msg=lambda text, name=name: f"{name}: {text}",
+        )
+
+
+def assert_same_metrics(one: dict, other: dict, names: list[str]):
+    for name in names:
+        assert one[name] == pytest.approx(other[name], rel=1e-4, abs=1e-6), name
+
+
+@pytest.fixture
+def sft_data(tmp_path):
+    path = tmp_path / "data.jsonl"
+    with path.open("w") as out:
+        for index in range(12):
+            reply = "<move>" + str(index % 9) + "</move>" + " ok" * index
+            messages = [
+                {"role": "user", "content": "Board " + "X.O" * (index % 4 + 1)},
+                {"role": "assistant", "content": reply},
+            ]
+            out.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def test_two_ranks_take_the_same_sft_step_as_one_process(tiny_model, sft_data, tmp_path):
+    def config(name: str) -> SFTConfig:
+        settings = dict(
+            model=tiny_model,
+            dataset=str(sft_data),
+            output_dir=str(tmp_path / name),
+            device="cpu",
+            max_steps=1,
+            batch_size=10,
+            micro_batch_size=2,
+            lr=1e-3,
+        )
+        return build_config(SFTConfig, [("test", settings)])
+
+    alone, together = RecordingSink(), RecordingSink()
+    one = run_sft_ranks(config("one"), alone, processes=1)
+    two = run_sft_ranks(config("two"), together, processes=2)
+
+    assert_same_metrics(
+        alone.metrics[0][1], together.metrics[0][1], ["loss/sft", "optim/grad_norm"]
+    )
+    assert_same_weights(final_weights(one), final_weights(two))
+    assert "Traceback" not in (tmp_path / "two" / "ranks" / "rank_1.log").read_text()
+
+
+def rl_config(model: str, tmp_path, name: str, **changes) -> RLConfig:
+    settings = dict(
+        model=model,
+        env="reverse_text",
+        env_args=dict(REVERSE_AB),
+        output_dir=str(tmp_path / name),
+        device="cpu",
+        batch_size=16,
+        rollouts_per_example=4,
+        micro_batch_size=3,
+        max_tokens=8,
+        lr=1e-2,
+        max_steps=1,
+        log_rollouts=0,
+    )
+    return build_config(RLConfig, [("test", settings | changes)])
+
+
+def fixed_batch(vocabulary: int) -> list[TrainingSequence]:
+    """Ten sequences of different lengths, their last tokens trained with advantage +-1."""
+    generator = torch.Generator().manual_seed(0)
+    sequences = []
+    for index in range(10):
+        length, trained = 6 + 3 * index, 2 + index % 4
+        advantage = 1.0 if index % 2 else -1.0
+        sequences.append(
+            TrainingSequence(
+                input_ids=torch.randint(3, vocabulary, (length,), generator=generator).tolist(),
+                weights=[0.0] * (length - trained) + [1.0] * trained,
+                advantages=[0.0] * (length - trained) + [advantage] * trained,
+                sampled_logprobs=None,
+            )
+        )
+    return sequences
+
+
+def test_two_ranks_take_the_same_rl_update_as_one_process(tiny_model, tmp_path):
+    # Two updates per batch and a KL term: the scoring pass and the reference run too.
+    cfg = rl_config(tiny_model, tmp_path, "fixed", num_iterations=2, beta=0.1)
+
+    def update() -> tuple[dict, dict]:
+        learner, tokenizer, _ = build_learner(cfg, torch.device("cpu"), never)
+        sequences = fixed_batch(len(tokenizer))
+        normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
+        ranks = current_ranks()
+        metrics = learn(learner, ranks.share(sequences, normalizer), normalizer, cfg)
+        ranks.end()
+        return metrics, {k: v.clone() for k, v in learner.model.state_dict().items()}
+
+    alone, alone_weights = update()
+    together, together_weights = launch(
+        update, "rlcore.train.distributed:follow_rl", cfg.to_dict(), processes=2, backend="gloo"
+    )
+
+    names = ["loss/policy", "loss/total", "loss/kl", "optim/grad_norm"]
+    names += ["policy/entropy", "policy/clip_fraction"]
+    assert_same_metrics(alone, together, names)
+    assert alone["optim/grad_norm"] > 0 and alone["loss/kl"] > 0
+    assert_same_weights(alone_weights, together_weights)
+
+
+@pytest.fixture(scope="module")
+def formatted_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model after a short SFT on reverse-text replies of random letters in their
+    tags: its rollouts get different rewards, so RL steps move the weights."""
+    work = tmp_path_factory.mktemp("formatted")
+    env = load_environment("reverse_text", **REVERSE_AB)
+    rng = random.Random(0)
+    with (work / "data.jsonl").open("w") as out:
+        for example in env.examples(32, seed=5):
+            letters = "".join(rng.choice("ab") for _ in range(rng.randint(1, 3)))
+            reply = {"role": "assistant", "content": f"<reversed>{letters}</reversed>"}
+            out.write(json.dumps({"messages": [*example.prompt, reply]}) + "\n")
+    settings = dict(
+        model=tiny_model,
+        dataset=str(work / "data.jsonl"),
+        output_dir=str(work / "sft"),
+        device="cpu",
+        max_steps=20,
+        batch_size=16,
+        micro_batch_size=16,
+        lr=3e-3,
+        lr_schedule="constant",
+    )
+    return run_sft(build_config(SFTConfig, [("test", settings)]))
+
+
+def test_split_and_data_parallel_runs_train_like_a_colocated_one(formatted_model, tmp_path):
+    runs = {"colocated": RecordingSink(), "split": RecordingSink(), "parallel": RecordingSink()}
+    finals = {
+        "colocated": run_rl_ranks(
+            rl_config(formatted_model, tmp_path, "colocated", max_steps=2, lr=1e-3),
+            runs["colocated"],
+        ),
+        "split": run_rl_ranks(
+            rl_config(formatted_model, tmp_path, "split", max_steps=2, lr=1e-3, placement="split"),
+            runs["split"],
+        ),
+        "parallel": run_rl_ranks(
+            rl_config(formatted_model, tmp_path, "parallel", max_steps=2, lr=1e-3),
+            runs["parallel"],
+            processes=2,
+        ),
+    }
+
+    names = ["reward/mean", "loss/policy", "optim/grad_norm", "policy/logprob_mismatch"]
+    for name in ("split", "parallel"):
+        for (_, alone), (_, other) in zip(
+            runs["colocated"].metrics, runs[name].metrics, strict=True
+        ):
+            assert alone["optim/grad_norm"] > 0
+            assert_same_metrics(alone, other, names)
+        assert_same_weights(final_weights(finals["colocated"]), final_weights(finals[name]))
+    # Step 2's rollouts came from the weights after step 1: the logprobs they were sampled
+    # with match the trainer's only if the split run's generation copy got those weights.
+    assert runs["split"].metrics[1][1]["policy/logprob_mismatch"] < 1e-5
+
+
+def test_the_generation_copy_follows_the_trainer_in_place(tiny_model):
+    train_device, generation_device = placement_devices("split", torch.device("cpu"))
+    model, tokenizer = load_model_and_tokenizer(tiny_model, train_device)
+    copy = generation_model(model, "split", generation_device)
+    assert generation_model(model, "colocated", generation_device) is model
+    assert copy is not model and not any(p.requires_grad for p in copy.parameters())
+    addresses = [p.data_ptr() for p in copy.parameters()]
+    engine = LocalEngine(None, model=copy, tokenizer=tokenizer)
+    prompt = [{"role": "user", "content": "ab"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+
+    def reply(policy):
+        return asyncio.run(policy.generate(prompt, greedy)).logprobs
+
+    before = reply(engine)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    assert reply(engine) == before  # the copy is the model before the step
+    copy_weights(model, copy)
+
+    assert [p.data_ptr() for p in copy.parameters()] == addresses
+    after = reply(engine)
+    assert after != before
+    assert after == pytest.approx(reply(LocalEngine(None, model=model, tokenizer=tokenizer)))
+
+
+def test_split_placement_on_one_gpu_or_none_names_what_it_needs():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the two GPUs split placement needs")
+    with pytest.raises(ValueError, match="placement='split' needs two CUDA GPUs"):
+        placement_devices("split", torch.device("cuda"))
+    with pytest.raises(ConfigError, match="placement must be one of"):
+        build_config(RLConfig, [("test", {"placement": "both"})])
+
+
+def test_a_job_on_several_gpus_runs_data_parallel_unless_it_splits_placement(tiny_model, tmp_path):
+    assert data_parallel_processes(1, rl_config(tiny_model, tmp_path, "a")) == 1
+    assert data_parallel_processes(2, rl_config(tiny_model, tmp_path, "a")) == 2
+    split = rl_config(tiny_model, tmp_path, "a", placement="split")
+    assert data_parallel_processes(2, split) == 1
+    with pytest.raises(ValueError, match="data-parallel run"):
+        run_rl_ranks(split, processes=2)
