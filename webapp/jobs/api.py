@@ -20,7 +20,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from rlcore.envs import ParamError
 from webapp.jobs import selectors, services
-from webapp.jobs.forms import RolloutFilterForm
+from webapp.jobs.forms import AuditForm, DeltaForm, FlagForm, RolloutFilterForm
 from webapp.jobs.models import Job
 from webapp.jobs.services import CONFIG_CLASSES
 from webapp.jobs.validation import errors_response, json_body, validation_response
@@ -133,7 +133,8 @@ def _job_create(request) -> JsonResponse:
         return validation_response(exc)
     except ParamError as exc:
         return errors_response({"env_config": str(exc)})
-    return JsonResponse(job.to_dict(), status=201)
+    warning = services.judge_family_warning(env_config=job.env_config, model=job.model)
+    return JsonResponse({**job.to_dict(), "warnings": [warning] if warning else []}, status=201)
 
 
 @require_GET
@@ -263,4 +264,98 @@ def job_updates(request, pk: int):
                 {"id": c.pk, "step": c.step, "path": c.path} for c in job.current_checkpoints()
             ],
         }
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The verifier checklist
+
+
+def _form_errors(form) -> JsonResponse:
+    return errors_response(
+        {k: [e["message"] for e in v] for k, v in form.errors.get_json_data().items()}
+    )
+
+
+@require_POST
+@api_view
+def env_config_audit(request, pk: int):
+    """Run the verifier audit of one of your env configs: {num_examples, seed,
+    rollouts_per_step, step_seconds} (all optional); 201 with the job, whose `result`
+    holds the report once it succeeded."""
+    config = selectors.env_configs_for_user(request.user).filter(pk=pk).first()
+    if config is None:
+        raise Http404
+    try:
+        body = json_body(request)
+    except ValidationError as exc:
+        return validation_response(exc)
+    form = AuditForm({name: field.initial for name, field in AuditForm.base_fields.items()} | body)
+    if not form.is_valid():
+        return _form_errors(form)
+    job = services.audit_create(owner=request.user, env_config=config, **form.cleaned_data)
+    return JsonResponse(job.to_dict(), status=201)
+
+
+@require_GET
+@api_view
+def env_config_flags(request, pk: int):
+    """The flagged rollouts of jobs on one of your env configs."""
+    config = selectors.env_configs_for_user(request.user).filter(pk=pk).first()
+    if config is None:
+        raise Http404
+    flags = selectors.env_config_flags(request.user, config)
+    return JsonResponse({"env_config": config.pk, "flags": [flag.to_dict() for flag in flags]})
+
+
+@require_POST
+@api_view
+def delta_create(request):
+    """Run the held-out delta: {env_config, base, trained (model ids), num_examples,
+    rollouts_per_example, seed, max_tokens, temperature}; 201 with the job."""
+    try:
+        body = json_body(request)
+    except ValidationError as exc:
+        return validation_response(exc)
+    defaults = {name: field.initial for name, field in DeltaForm.base_fields.items()}
+    form = DeltaForm({k: v for k, v in defaults.items() if v is not None} | body, user=request.user)
+    if not form.is_valid():
+        return _form_errors(form)
+    try:
+        job = services.delta_create(owner=request.user, **form.cleaned_data)
+    except ValidationError as exc:
+        return validation_response(exc)
+    except ParamError as exc:
+        return errors_response({"env_config": str(exc)})
+    return JsonResponse(job.to_dict(), status=201)
+
+
+@require_http_methods(["POST", "DELETE"])
+@api_view
+def rollout_flag(request, pk: int, rollout_id: int):
+    """POST {reason}: flag the rollout as wrongly scored (201; again: the reason is
+    replaced); DELETE: take your flag back (204, or 404 without one)."""
+    job = selectors.job_for_user(request.user, pk)
+    rollout = selectors.rollout_for_job(job, rollout_id)
+    if request.method == "DELETE":
+        if not services.rollout_unflag(user=request.user, rollout=rollout):
+            return JsonResponse({"error": "you have not flagged this rollout"}, status=404)
+        return HttpResponse(status=204)
+    try:
+        body = json_body(request)
+    except ValidationError as exc:
+        return validation_response(exc)
+    if not isinstance(body.get("reason", ""), str):
+        return errors_response({"reason": "expected text (at most 200 characters)"})
+    form = FlagForm(body)
+    if not form.is_valid():
+        return _form_errors(form)
+    try:
+        flag = services.rollout_flag(
+            user=request.user, rollout=rollout, reason=form.cleaned_data["reason"]
+        )
+    except ValidationError as exc:
+        return validation_response(exc)
+    return JsonResponse(
+        {"rollout": rollout.pk, "reason": flag.reason, "flags": rollout.flags.count()}, status=201
     )

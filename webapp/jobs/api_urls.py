@@ -15,5 +15,9 @@ urlpatterns = [
     path("jobs/<int:pk>/rollouts/", api.job_rollouts, name="job_rollouts"),
     path("jobs/<int:pk>/rollouts/<int:rollout_id>/", api.rollout_detail, name="rollout_detail"),
     path("jobs/<int:pk>/logs/", api.job_logs, name="job_logs"),
+    path("jobs/<int:pk>/rollouts/<int:rollout_id>/flag/", api.rollout_flag, name="rollout_flag"),
+    path("env-configs/<int:pk>/audit/", api.env_config_audit, name="env_config_audit"),
+    path("env-configs/<int:pk>/flags/", api.env_config_flags, name="env_config_flags"),
+    path("delta/", api.delta_create, name="delta"),
     path("jobs/<int:pk>/updates/", api.job_updates, name="job_updates"),
 ]

@@ -373,6 +373,7 @@ class RolloutFilterForm(forms.Form):
     example = forms.IntegerField(required=False, min_value=0)
     q = forms.CharField(required=False, label="text", max_length=200)
     errors = forms.BooleanField(required=False, label="errors only")
+    flagged = forms.BooleanField(required=False, label="flagged only")
     sort = forms.ChoiceField(
         required=False,
         choices=[
@@ -410,7 +411,9 @@ class RolloutFilterForm(forms.Form):
                 (f"-{key}", f"{fact.label} ↓"),
             ]
         # The env's filters before the free text, the checkbox and the sort.
-        self.order_fields([name for name in self.fields if name not in ("q", "errors", "sort")])
+        self.order_fields(
+            [name for name in self.fields if name not in ("q", "errors", "flagged", "sort")]
+        )
 
     def filters(self):
         data = self.cleaned_data
@@ -431,5 +434,81 @@ class RolloutFilterForm(forms.Form):
             facts=facts,
             search=data.get("q") or "",
             errors_only=bool(data.get("errors")),
+            flagged_only=bool(data.get("flagged")),
             sort=data.get("sort") or "step",
         )
+
+
+class AuditForm(forms.Form):
+    """The verifier audit of an env config (`python -m rlcore audit`'s options)."""
+
+    num_examples = forms.IntegerField(
+        min_value=1, max_value=200, initial=16, help_text="Examples each player plays."
+    )
+    seed = forms.IntegerField(
+        min_value=0, max_value=2**31 - 1, initial=0, help_text="Dataset seed."
+    )
+    rollouts_per_step = forms.IntegerField(
+        min_value=1,
+        max_value=65536,
+        initial=64,
+        help_text="Rollouts an RL step verifies (examples x rollouts per example).",
+    )
+    step_seconds = forms.FloatField(
+        required=False,
+        min_value=0.001,
+        max_value=86400,
+        widget=forms.NumberInput(attrs={"step": "any"}),
+        help_text="Seconds an RL step takes without verification, to compare against "
+        "(blank: not compared).",
+    )
+
+
+class DeltaForm(ServiceErrorsMixin, forms.Form):
+    """The held-out delta: a trained model against its starting model on examples
+    training did not see (`python -m rlcore delta`'s options)."""
+
+    env_config = NamedChoiceField(
+        queryset=EnvironmentConfig.objects.none(), label="Environment config"
+    )
+    trained = NamedChoiceField(
+        queryset=ModelEntry.objects.none(),
+        label="Trained model",
+        help_text="A checkpoint an SFT or RL job made.",
+    )
+    base = NamedChoiceField(
+        queryset=ModelEntry.objects.none(),
+        label="Starting model",
+        help_text="The model training started from.",
+    )
+    num_examples = forms.IntegerField(min_value=2, max_value=1000, initial=100)
+    rollouts_per_example = forms.IntegerField(min_value=1, max_value=16, initial=1)
+    seed = forms.IntegerField(
+        min_value=0,
+        max_value=2**31 - 1,
+        initial=services.HELD_OUT_SEED,
+        help_text="Dataset seed of the held-out examples: pick one training did not use.",
+    )
+    max_tokens = forms.IntegerField(min_value=1, max_value=32768, initial=256)
+    temperature = forms.FloatField(
+        min_value=0.0, max_value=5.0, initial=0.0, widget=forms.NumberInput(attrs={"step": "any"})
+    )
+
+    def __init__(self, *args, user, **kwargs):
+        super().__init__(*args, **kwargs)
+        from webapp.jobs import selectors
+
+        self.fields["env_config"].queryset = selectors.env_configs_for_user(user).filter(owner=user)
+        models = selectors.models_for_user(user).filter(owner=user)
+        self.fields["trained"].queryset = models
+        self.fields["base"].queryset = models
+
+
+class FlagForm(forms.Form):
+    """A person's flag on a rollout that was scored wrongly."""
+
+    reason = forms.CharField(
+        required=False,
+        max_length=200,
+        help_text="Optional: what the verifier got wrong (at most 200 characters).",
+    )

@@ -158,13 +158,16 @@ class ModelEntry(models.Model):
 
 
 class Job(models.Model):
-    """One eval, synth, SFT or RL run, executed by a Celery worker."""
+    """One eval, synth, SFT or RL run, or a verifier audit or held-out delta, executed by
+    a Celery worker."""
 
     class Kind(models.TextChoices):
         EVAL = "eval", "eval"
         SYNTH = "synth", "synth"
         SFT = "sft", "sft"
         RL = "rl", "rl"
+        AUDIT = "audit", "audit"
+        DELTA = "delta", "delta"
 
     class Status(models.TextChoices):
         QUEUED = "queued", "queued"
@@ -473,6 +476,55 @@ class Rollout(models.Model):
             "facts": self.facts,
             "seconds": self.seconds,
         }
+
+
+class RolloutFlag(models.Model):
+    """A person's word that a rollout was scored wrongly (a false negative of the
+    verifier, or a reward it should not have earned), with an optional short reason; one
+    per person and rollout. Counted per environment config and exported for whoever
+    fixes the verifier."""
+
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="flags")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    reason = models.CharField(max_length=200, blank=True)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created"]
+        constraints = [
+            models.UniqueConstraint(fields=["rollout", "user"], name="one_flag_per_user")
+        ]
+
+    def __str__(self) -> str:
+        return f"flag on rollout {self.rollout_id} by {self.user_id}"
+
+    def to_dict(self) -> dict:
+        """The flagged rollout as an export row: where it came from, what was asked, what
+        the model replied, what it earned, and why it was flagged."""
+        rollout = self.rollout
+        return {
+            "flag": self.pk,
+            "job": rollout.job_id,
+            "rollout": rollout.pk,
+            "env": rollout.job.config.get("env", ""),
+            "step": rollout.step,
+            "example_id": rollout.example_id,
+            "prompt": message_text(rollout.messages[: rollout.prompt_len]),
+            "reply": message_text(rollout.completion),
+            "reward": rollout.reward,
+            "rewards": rollout.rewards,
+            "outcome": rollout.outcome,
+            "reason": self.reason,
+            "flagged_by": self.user.get_username(),
+            "flagged": self.created.isoformat(),
+        }
+
+
+def message_text(messages: list) -> str:
+    """Messages as plain text, one "role: content" block each."""
+    return "\n\n".join(
+        f"{m.get('role', '?')}: {m.get('content') or ''}" for m in messages if isinstance(m, dict)
+    )
 
 
 class LogLine(models.Model):

@@ -160,3 +160,56 @@ def summary_tables(summary: dict | None) -> dict | None:
         "errors": summary.get("errors"),
         "cancelled": summary.get("cancelled", False),
     }
+
+
+def audit_report(result: dict | None) -> dict | None:
+    """An audit job's result (rlcore.audit.AuditReport as data) as the audit page's
+    tables; None before it finished."""
+    audit = (result or {}).get("audit")
+    if not isinstance(audit, dict):
+        return None
+    return {
+        "oracle_mean": audit.get("oracle_mean"),
+        "floor": audit.get("floor"),
+        "num_examples": audit.get("num_examples"),
+        "seed": audit.get("seed"),
+        "exploits": audit.get("exploits") or [],
+        "variants": audit.get("variants") or [],
+        "throughput": audit.get("throughput") or {},
+        "warnings": audit.get("warnings") or [],
+        "text": (result or {}).get("report", ""),
+    }
+
+
+def delta_report(delta: dict | None) -> dict | None:
+    """A held-out delta's report (rlcore.delta.DeltaReport as data) with the answer to
+    "did training help?" from the reward's row; None before it finished."""
+    if not isinstance(delta, dict) or not delta.get("metrics"):
+        return None
+    reward = delta["metrics"][0]
+    return {**delta, "reward": reward, "answer": did_training_help(reward["verdict"])}
+
+
+def did_training_help(verdict: str) -> str:
+    """The answer the reward's verdict gives (as `python -m rlcore delta` prints it)."""
+    return {"higher": "yes", "lower": "no, it hurt"}.get(verdict, "not beyond noise")
+
+
+def held_out_check(rewards: list[dict], delta) -> dict:
+    """Whether an RL job's train reward (`rewards`: its reward/mean points) rose, the
+    mean of its last quarter of steps above that of its first, and what `delta`, the
+    newest finished held-out delta on one of its checkpoints (or None), says. A warning
+    when the train reward rose and held-out did not."""
+    quarter = max(1, len(rewards) // 4)
+    rose = len(rewards) >= 2 and (
+        sum(p["value"] for p in rewards[-quarter:]) / quarter
+        > sum(p["value"] for p in rewards[:quarter]) / quarter
+    )
+    report = delta_report((delta.result or {}).get("delta")) if delta else None
+    verdict = report["reward"]["verdict"] if report else None
+    return {
+        "train_rose": rose,
+        "delta": delta,
+        "report": report,
+        "warn": rose and report is not None and verdict != "higher",
+    }

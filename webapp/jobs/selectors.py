@@ -14,12 +14,20 @@ from operator import itemgetter
 
 from django.core.cache import cache
 from django.db import connection
-from django.db.models import FloatField, Func, OrderBy, QuerySet
+from django.db.models import Exists, FloatField, Func, OrderBy, OuterRef, QuerySet
 from django.db.models.fields.json import KeyTransform
 from django.shortcuts import get_object_or_404
 
 from rlcore.envs import Environment, Fact, get_env_class
-from webapp.jobs.models import EnvironmentConfig, Job, LogLine, Metric, ModelEntry, Rollout
+from webapp.jobs.models import (
+    EnvironmentConfig,
+    Job,
+    LogLine,
+    Metric,
+    ModelEntry,
+    Rollout,
+    RolloutFlag,
+)
 
 DEFAULT_MAX_POINTS = 2000
 # A version of a series never changes (its key does), so this only bounds the memory
@@ -244,6 +252,7 @@ class RolloutFilters:
     facts: list[FactFilter] = field(default_factory=list)
     search: str = ""
     errors_only: bool = False
+    flagged_only: bool = False
     sort: str = "step"
 
 
@@ -314,6 +323,8 @@ def rollouts_filtered(job: Job, filters: RolloutFilters) -> QuerySet[Rollout]:
         rows = rows.filter(messages__icontains=filters.search)
     if filters.errors_only:
         rows = rows.exclude(error="")
+    if filters.flagged_only:
+        rows = rows.filter(Exists(RolloutFlag.objects.filter(rollout=OuterRef("pk"))))
     return rows.order_by(*_ordering(filters.sort))
 
 
@@ -336,3 +347,37 @@ def rollout_reward_names(job: Job, rollouts) -> list[str]:
 
 def rollout_for_job(job: Job, rollout_id: int) -> Rollout:
     return get_object_or_404(Rollout, job=job, pk=rollout_id)
+
+
+# ---------------------------------------------------------------------------------------
+# The verifier checklist
+
+
+def flags_for_user(user) -> QuerySet[RolloutFlag]:
+    """Flags on the rollouts of jobs `user` may see (their own; staff: all), with what an
+    export row needs."""
+    flags = RolloutFlag.objects.select_related("rollout__job", "user")
+    return flags if user.is_staff else flags.filter(rollout__job__owner=user)
+
+
+def env_config_flags(user, env_config: EnvironmentConfig) -> QuerySet[RolloutFlag]:
+    """The flags on rollouts of jobs run on `env_config`."""
+    return flags_for_user(user).filter(rollout__job__env_config=env_config)
+
+
+def job_flag_count(job: Job) -> int:
+    return RolloutFlag.objects.filter(rollout__job=job).values("rollout").distinct().count()
+
+
+def last_audit(user, env_config: EnvironmentConfig) -> Job | None:
+    """The newest audit of `env_config` that `user` may see."""
+    return jobs_for_user(user).filter(kind=Job.Kind.AUDIT, env_config=env_config).first()
+
+
+def deltas_for_user(user) -> QuerySet[Job]:
+    return jobs_for_user(user).filter(kind=Job.Kind.DELTA)
+
+
+def job_deltas(job: Job) -> QuerySet[Job]:
+    """The held-out deltas run on a checkpoint of `job`, newest first."""
+    return Job.objects.filter(kind=Job.Kind.DELTA, parent_checkpoint__job=job).order_by("-created")

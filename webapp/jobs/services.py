@@ -21,7 +21,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from rlcore.envs import ParamError, load_environment
+from rlcore.envs import ParamError, get_env_class, load_environment
 from rlcore.evaluate import EvalConfig
 from rlcore.train.config import (
     ConfigError,
@@ -43,6 +43,7 @@ from webapp.jobs.models import (
     Metric,
     ModelEntry,
     Rollout,
+    RolloutFlag,
 )
 from webapp.jobs.nodes import NEEDS_KEYS, JobNeeds, needs_resolve, queue_for_needs
 from webapp.jobs.validation import json_loads, json_value, refuse_secret
@@ -50,7 +51,14 @@ from webapp.jobs.validation import json_loads, json_value, refuse_secret
 RECIPE_DIR = settings.BASE_DIR / "recipes" / "tictactoe_tiny"
 CONFIG_CLASSES = {"eval": EvalConfig, "synth": SynthConfig, "sft": SFTConfig, "rl": RLConfig}
 # The config key each kind writes its outputs under.
-OUTPUT_KEYS = {"eval": "out_dir", "synth": "output_dir", "sft": "output_dir", "rl": "output_dir"}
+OUTPUT_KEYS = {
+    "eval": "out_dir",
+    "synth": "output_dir",
+    "sft": "output_dir",
+    "rl": "output_dir",
+    "audit": "out_dir",
+    "delta": "out_dir",
+}
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 BUILTIN_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -392,7 +400,11 @@ def job_config_resolve(
                 }
             )
 
-    layers = [(f"recipe {kind}.toml", recipe_values(kind))]
+    recipe = recipe_values(kind)
+    if env_config is not None and recipe.get("env") != env_config.env_name:
+        # The recipe's env parameters are tic-tac-toe's: another env's job gets none.
+        recipe.pop("env_args", None)
+    layers = [(f"recipe {kind}.toml", recipe)]
     if kind != "sft":  # sampling settings: SFT samples nothing
         layers.append(("the model's generation defaults", dict(model.generation or {})))
     layers.append(("the model", model.policy_args()))
@@ -627,3 +639,180 @@ def job_check_worker(*, job: Job) -> Job:
         )
         job.refresh_from_db()
     return job
+
+
+# ---------------------------------------------------------------------------------------
+# The verifier checklist: audits, held-out deltas, flags, judges
+
+# Examples of the held-out delta when none is named: a seed no training recipe uses
+# (rlcore's CLI default, so the page and `python -m rlcore delta` agree).
+HELD_OUT_SEED = 1_000_003
+
+
+def audit_create(
+    *,
+    owner,
+    env_config: EnvironmentConfig,
+    num_examples: int,
+    seed: int,
+    rollouts_per_step: int,
+    step_seconds: float | None,
+) -> Job:
+    """Queue the verifier audit (rlcore/audit.py) of `env_config` on its current
+    parameters: trivial exploits, format brittleness, throughput."""
+    env_args = env_params_resolve(env_name=env_config.env_name, params=env_config.params)
+    config = {
+        "env": env_config.env_name,
+        "env_args": env_args,
+        "num_examples": num_examples,
+        "seed": seed,
+        "rollouts_per_step": rollouts_per_step,
+        "step_seconds": step_seconds,
+    }
+    return _job_insert(
+        owner=owner,
+        kind=Job.Kind.AUDIT,
+        config=config,
+        needs=JobNeeds(),
+        env_config=env_config,
+        model=None,
+        parent_checkpoint=None,
+    )
+
+
+def delta_create(
+    *,
+    owner,
+    env_config: EnvironmentConfig,
+    base: ModelEntry,
+    trained: ModelEntry,
+    num_examples: int,
+    rollouts_per_example: int,
+    seed: int,
+    max_tokens: int,
+    temperature: float,
+) -> Job:
+    """Queue the held-out delta (rlcore/delta.py) of `trained` against `base` on
+    `env_config`'s examples from `seed`. The job's model is the trained one and its parent
+    checkpoint the trained checkpoint, which is how a training job finds its deltas."""
+    errors = {}
+    if base.pk == trained.pk:
+        errors["trained"] = f"{trained.name!r} is also the base model; pick the trained one"
+    offered = load_environment(env_config.env_name, **env_config.params).builtin_policies()
+    for field, entry in (("base", base), ("trained", trained)):
+        if entry.kind == ModelEntry.Kind.BUILTIN and entry.location not in offered:
+            errors[field] = (
+                f"environment {env_config.env_name!r} has no built-in player "
+                f"{entry.location!r}; it offers: {', '.join(offered)}"
+            )
+    if errors:
+        raise ValidationError(errors)
+    config = {
+        "env": env_config.env_name,
+        "env_args": env_params_resolve(env_name=env_config.env_name, params=env_config.params),
+        "base": base.policy_args(),
+        "trained": trained.policy_args(),
+        "base_model": base.pk,
+        "base_name": base.name,
+        "trained_name": trained.name,
+        "num_examples": num_examples,
+        "rollouts_per_example": rollouts_per_example,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "device": "auto",
+    }
+    return _job_insert(
+        owner=owner,
+        kind=Job.Kind.DELTA,
+        config=config,
+        needs=JobNeeds(),
+        env_config=env_config,
+        model=trained,
+        parent_checkpoint=trained.checkpoint,
+    )
+
+
+def rollout_flag(*, user, rollout: Rollout, reason: str = "") -> RolloutFlag:
+    """Flag `rollout` as wrongly scored by `user` (again: the reason is replaced)."""
+    reason = reason.strip()
+    refuse_secret(reason, field="reason")
+    if len(reason) > 200:
+        raise ValidationError({"reason": f"at most 200 characters, got {len(reason)}"})
+    flag, _ = RolloutFlag.objects.update_or_create(
+        rollout=rollout, user=user, defaults={"reason": reason}
+    )
+    return flag
+
+
+def rollout_unflag(*, user, rollout: Rollout) -> bool:
+    """Remove `user`'s flag on `rollout`; False when there was none."""
+    deleted, _ = RolloutFlag.objects.filter(rollout=rollout, user=user).delete()
+    return bool(deleted)
+
+
+# Model families by the start of a model's name or config `model_type`; a judge of the
+# policy's own family favours that family's style.
+FAMILIES = (
+    "qwen", "llama", "mistral", "mixtral", "gemma", "phi", "gpt", "claude", "deepseek",
+    "olmo", "smollm", "falcon", "granite", "command", "internlm", "yi", "glm", "o1", "o3",
+)  # fmt: skip
+MAX_CONFIG_BYTES = 1_000_000
+
+
+def model_family(name: str) -> str:
+    """The family a model name or `model_type` belongs to ("Qwen/Qwen2.5-7B-Instruct",
+    "qwen2" -> "qwen"; "gpt-4o-mini" -> "gpt"); else its first word; "" for none."""
+    base = name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+    for family in FAMILIES:
+        if base.startswith(family):
+            return "mistral" if family == "mixtral" else "gpt" if family in ("o1", "o3") else family
+    match = re.match(r"[a-z]+", base)
+    return match.group(0) if match else ""
+
+
+def model_entry_family(entry: ModelEntry) -> str:
+    """A registered model's family: its weights' `model_type` where they are a local
+    directory (the tiny model is a Qwen2), else its name at the hub or endpoint; "" for an
+    env's built-in player."""
+    if entry.kind == ModelEntry.Kind.BUILTIN:
+        return ""
+    if entry.kind == ModelEntry.Kind.TINY:
+        return "qwen"
+    config_path = Path(entry.location) / "config.json"
+    try:
+        if config_path.is_file() and config_path.stat().st_size <= MAX_CONFIG_BYTES:
+            model_type = json.loads(config_path.read_text()).get("model_type")
+            if isinstance(model_type, str) and model_type:
+                return model_family(model_type)
+    except (OSError, ValueError, AttributeError):
+        pass  # unreadable weights: the name still tells
+    return model_family(entry.location)
+
+
+def judge_model_of(env_config: EnvironmentConfig | None) -> str | None:
+    """The judge model `env_config` scores with ("" when its env has a judge but none is
+    set), or None when its env scores without a judge."""
+    if env_config is None:
+        return None
+    try:
+        param = get_env_class(env_config.env_name).judge_model_param
+    except KeyError:
+        return None
+    if not param:
+        return None
+    return str(env_config.params.get(param) or "")
+
+
+def judge_family_warning(*, env_config: EnvironmentConfig | None, model: ModelEntry) -> str:
+    """A warning when `env_config`'s judge is of `model`'s family ("" otherwise)."""
+    judge = judge_model_of(env_config)
+    if not judge:
+        return ""
+    family = model_family(judge)
+    if family and family == model_entry_family(model):
+        return (
+            f"the judge {judge!r} is of the {family} family, like the policy {model.name!r}: "
+            "a judge favours its own family's style; one of another family is recommended"
+        )
+    return ""

@@ -22,8 +22,16 @@ from django.views.decorators.http import require_GET, require_POST
 from rlcore.envs import ParamError, get_env_class, list_environments
 from rlcore.types import jsonl_line
 from webapp.jobs import presenters, selectors, services
-from webapp.jobs.forms import EnvConfigForm, JobForm, ModelEntryForm, RolloutFilterForm
-from webapp.jobs.models import Job, ModelEntry, WorkerNode
+from webapp.jobs.forms import (
+    AuditForm,
+    DeltaForm,
+    EnvConfigForm,
+    FlagForm,
+    JobForm,
+    ModelEntryForm,
+    RolloutFilterForm,
+)
+from webapp.jobs.models import Job, ModelEntry, RolloutFlag, WorkerNode
 from webapp.jobs.nodes import nodes_overview
 from webapp.jobs.services import CONFIG_CLASSES
 from webapp.jobs.validation import ids_from
@@ -92,7 +100,13 @@ def env_config_create(request, env_name: str):
     return render(
         request,
         "jobs/env_config_form.html",
-        {"form": form, "env_name": env_name, "examples": examples, "preview_error": preview_error},
+        {
+            "form": form,
+            "env_name": env_name,
+            "examples": examples,
+            "preview_error": preview_error,
+            "judge": _judge_advice(request.user, env_name),
+        },
     )
 
 
@@ -152,8 +166,26 @@ def env_config_edit(request, pk: int):
             "config": config,
             "examples": examples,
             "preview_error": preview_error,
+            "judge": _judge_advice(request.user, config.env_name, config),
+            "audit": selectors.last_audit(request.user, config),
+            "flag_count": selectors.env_config_flags(request.user, config).count(),
         },
     )
+
+
+def _judge_advice(user, env_name: str, config=None) -> dict | None:
+    """For an env that scores with an LLM judge: its judge model, that model's family,
+    and the user's models of the same family (a judge favours its own family's style)."""
+    if not get_env_class(env_name).judge_model_param:
+        return None
+    judge = services.judge_model_of(config) if config else ""
+    family = services.model_family(judge) if judge else ""
+    same = [
+        entry
+        for entry in selectors.models_for_user(user).filter(owner=user)
+        if family and services.model_entry_family(entry) == family
+    ]
+    return {"model": judge, "family": family, "same_family": same}
 
 
 @login_required
@@ -252,6 +284,9 @@ def job_create(request):
             )
         else:
             messages.success(request, f"Queued {job.kind} job #{job.pk} on the {job.queue} queue.")
+            warning = services.judge_family_warning(env_config=job.env_config, model=job.model)
+            if warning:
+                messages.warning(request, f"Judge: {warning}.")
             return redirect(job)
     return render(
         request,
@@ -293,6 +328,13 @@ def job_detail(request, pk: int):
             "node": WorkerNode.objects.filter(name=job.worker).first() if job.worker else None,
             "config_json": json.dumps(job.config, indent=2, sort_keys=True),
             "result_json": json.dumps(job.result, indent=2, sort_keys=True) if job.result else "",
+            "held_out": presenters.held_out_check(
+                selectors.metric_series(job, names=["reward/mean"]).get("reward/mean", []),
+                selectors.job_deltas(job).filter(status=Job.Status.SUCCEEDED).first(),
+            )
+            if job.kind == Job.Kind.RL
+            else None,
+            "deltas": selectors.job_deltas(job)[:5] if job.kind in ("sft", "rl") else [],
         },
     )
 
@@ -407,6 +449,12 @@ def rollout_list(request, pk: int):
             "reward_names": selectors.rollout_reward_names(job, page.object_list),
             "outcomes": selectors.rollout_outcomes(job),
             "query": query.urlencode(),
+            "flagged_ids": set(
+                RolloutFlag.objects.filter(rollout__in=page.object_list).values_list(
+                    "rollout_id", flat=True
+                )
+            ),
+            "flag_count": selectors.job_flag_count(job),
         },
     )
 
@@ -434,6 +482,9 @@ def rollout_detail(request, pk: int, rollout_id: int):
             "siblings": siblings,
             "state_json": json.dumps(rollout.state, indent=2, sort_keys=True),
             "info_json": json.dumps(rollout.info, indent=2, sort_keys=True),
+            "flag_form": FlagForm(),
+            "my_flag": rollout.flags.filter(user=request.user).first(),
+            "flag_count": rollout.flags.count(),
         },
     )
 
@@ -480,6 +531,184 @@ def rollouts_jsonl(request, pk: int):
     response = StreamingHttpResponse(lines, content_type="application/x-ndjson")
     response["Content-Disposition"] = f'attachment; filename="job-{job.pk}-rollouts.jsonl"'
     return response
+
+
+# ---------------------------------------------------------------------------------------
+# The verifier checklist: audits, flags, held-out deltas
+
+
+@login_required
+def env_config_audit(request, pk: int):
+    """GET: the env config's last audit (progress while it runs, then the report); POST:
+    run a new one."""
+    config = get_object_or_404(selectors.env_configs_for_user(request.user), pk=pk)
+    form = AuditForm(request.POST or None)
+    if request.method == "POST":
+        if form.is_valid():
+            job = services.audit_create(owner=request.user, env_config=config, **form.cleaned_data)
+            messages.success(request, f"Queued audit job #{job.pk}.")
+            return redirect("jobs:env_config_audit", pk=config.pk)
+        status = 400
+    else:
+        status = 200
+    audit = selectors.last_audit(request.user, config)
+    return render(
+        request,
+        "jobs/audit.html",
+        {
+            "config": config,
+            "form": form,
+            "audit": audit,
+            "report": presenters.audit_report(audit.result if audit else None),
+            "flag_count": selectors.env_config_flags(request.user, config).count(),
+            "wait": _wait_for(audit),
+        },
+        status=status,
+    )
+
+
+def _wait_for(job: Job | None) -> dict | None:
+    """What the page's script polls while `job` runs (it reloads the page at the end)."""
+    if job is None or not job.is_active:
+        return None
+    return {"url": reverse("api:job_detail", args=[job.pk])}
+
+
+@login_required
+@require_GET
+def job_report_json(request, pk: int):
+    """An audit's or a held-out delta's report as a JSON download."""
+    job = selectors.job_for_user(request.user, pk)
+    key = {Job.Kind.AUDIT: "audit", Job.Kind.DELTA: "delta"}.get(job.kind)
+    if key is None or not job.result or key not in job.result:
+        raise Http404("only a finished audit or held-out delta has a report")
+    response = HttpResponse(json.dumps(job.result[key], indent=2), content_type="application/json")
+    response["Content-Disposition"] = f'attachment; filename="job-{job.pk}-{key}.json"'
+    return response
+
+
+@login_required
+@require_POST
+def rollout_flag(request, pk: int, rollout_id: int):
+    """Flag the rollout as wrongly scored (with an optional reason), or with `remove`,
+    take one's flag back."""
+    job = selectors.job_for_user(request.user, pk)
+    rollout = selectors.rollout_for_job(job, rollout_id)
+    if request.POST.get("remove"):
+        services.rollout_unflag(user=request.user, rollout=rollout)
+        messages.success(request, "Flag removed.")
+        return redirect(rollout)
+    form = FlagForm(request.POST)
+    if not form.is_valid():
+        return HttpResponse(
+            json.dumps({"errors": form.errors.get_json_data()}),
+            status=400,
+            content_type="application/json",
+        )
+    try:
+        services.rollout_flag(
+            user=request.user, rollout=rollout, reason=form.cleaned_data["reason"]
+        )
+    except ValidationError as exc:
+        return HttpResponse(
+            json.dumps({"errors": exc.message_dict}), status=400, content_type="application/json"
+        )
+    messages.success(request, "Flagged as wrongly scored.")
+    return redirect(rollout)
+
+
+FLAG_COLUMNS = ("job", "rollout", "env", "step", "example_id", "prompt", "reply", "reward",
+                "outcome", "reason", "flagged_by", "flagged")  # fmt: skip
+
+
+@login_required
+@require_GET
+def env_config_flags(request, pk: int, fmt: str):
+    """The flagged rollouts of jobs on this env config, as CSV or JSON."""
+    if fmt not in ("csv", "json"):
+        raise Http404(f"flags come as .csv or .json, not .{fmt[:20]}")
+    config = get_object_or_404(selectors.env_configs_for_user(request.user), pk=pk)
+    rows = [flag.to_dict() for flag in selectors.env_config_flags(request.user, config)]
+    filename = f"env-config-{config.pk}-flags.{fmt}"
+    if fmt == "json":
+        response = HttpResponse(json.dumps(rows, indent=2), content_type="application/json")
+    else:
+        response = HttpResponse(content_type="text/csv")
+        writer = csv.writer(response)
+        writer.writerow(FLAG_COLUMNS)
+        writer.writerows([_csv_safe(row[column]) for column in FLAG_COLUMNS] for row in rows)
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    return response
+
+
+def _csv_safe(value):
+    """A cell a spreadsheet shows as text: model replies starting with = + - @ would
+    otherwise run as formulas when the export is opened."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+@login_required
+def delta_page(request):
+    """Pick a trained model, its starting model and an env config; run the held-out delta.
+    `?job=N` (a training job of yours) preselects its last checkpoint, its starting model
+    and its env config."""
+    initial = _delta_initial(request.user, ids_from([request.GET.get("job", "")]))
+    form = DeltaForm(request.POST or None, user=request.user, initial=initial)
+    status = 200
+    if request.method == "POST":
+        if form.is_valid():
+            try:
+                job = services.delta_create(owner=request.user, **form.cleaned_data)
+            except (ValidationError, ParamError) as exc:
+                form.add_service_error(
+                    exc if isinstance(exc, ValidationError) else ValidationError(str(exc))
+                )
+            else:
+                messages.success(request, f"Queued held-out delta job #{job.pk}.")
+                return redirect("jobs:delta_detail", pk=job.pk)
+        status = 400
+    return render(
+        request,
+        "jobs/delta.html",
+        {"form": form, "deltas": selectors.deltas_for_user(request.user)[:20]},
+        status=status,
+    )
+
+
+def _delta_initial(user, job_ids: list[int]) -> dict:
+    if not job_ids:
+        return {}
+    job = (
+        selectors.jobs_for_user(user)
+        .filter(owner=user, pk=job_ids[0], kind__in=(Job.Kind.SFT, Job.Kind.RL))
+        .first()
+    )
+    if job is None:
+        return {}
+    last = job.current_checkpoints().filter(model_entry__isnull=False).order_by("step", "id").last()
+    return {
+        "trained": last.model_entry.pk if last else None,
+        "base": job.model_id,
+        "env_config": job.env_config_id,
+    }
+
+
+@login_required
+def delta_detail(request, pk: int):
+    job = selectors.job_for_user(request.user, pk)
+    if job.kind != Job.Kind.DELTA:
+        raise Http404("not a held-out delta")
+    return render(
+        request,
+        "jobs/delta_detail.html",
+        {
+            "job": job,
+            "delta": presenters.delta_report((job.result or {}).get("delta")),
+            "wait": _wait_for(job),
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------
