@@ -14,6 +14,7 @@ ENVIRONMENTS: dict[str, str] = {
     "math": "rlcore.envs.math_env:MathEnv",
     "code": "rlcore.envs.code_env:CodeEnv",
     "writing": "rlcore.envs.writing:WritingEnv",
+    "browser": "rlcore.envs.browser:BrowserEnv",
 }
 
 

@@ -101,7 +101,20 @@ def state_views(env_class: type[Environment] | None, state: dict) -> list[dict]:
             shown.append({**common, "rows": _grid_rows(view)})
         elif view.get("kind") == "text":
             shown.append({**common, "text": str(view.get("text", ""))})
+        elif view.get("kind") == "images":
+            shown.append({**common, "images": _images(view)})
     return shown
+
+
+def _images(view: dict) -> list[dict]:
+    """An images view's pictures (the browser env's screenshots): each a path relative to
+    the job's folder, which the page serves through `rollout_image`, and a caption."""
+    images = view.get("images") if isinstance(view.get("images"), list) else []
+    return [
+        {"path": str(image.get("path", "")), "caption": str(image.get("caption", ""))}
+        for image in images
+        if isinstance(image, dict)
+    ]
 
 
 def _grid_rows(view: dict) -> list[list[dict]]:

@@ -185,6 +185,23 @@ def path_confine(
     return str(resolved)
 
 
+IMAGE_TYPES = {"jpg": "image/jpeg", "jpeg": "image/jpeg", "png": "image/png"}
+
+
+def job_file_path(*, job: Job, name: str, what: str = "file") -> str:
+    """The file `name` (relative) in `job`'s output folder, through path_confine as the
+    job's owner, and inside that job's own folder (not only some folder of its owner's);
+    ValidationError otherwise."""
+    folder = job.config.get(OUTPUT_KEYS.get(job.kind, ""), "") or job_output_dir(job.kind, job.pk)
+    if not name or Path(name).is_absolute():
+        raise ValidationError(f"{what} {name[:200]!r} is not a path inside the job's folder")
+    path = path_confine(location=str(Path(folder) / name), owner=job.owner, what=what, is_file=True)
+    own = Path(job_output_dir(job.kind, job.pk)).expanduser().resolve()
+    if not Path(path).is_relative_to(own):
+        raise ValidationError(f"{what} {name[:200]!r} is not inside job {job.pk}'s folder")
+    return path
+
+
 def _looks_like_path(location: str) -> bool:
     return location.startswith(("/", "~", "./", "../")) or (settings.BASE_DIR / location).exists()
 

@@ -30,6 +30,9 @@ urlpatterns = [
     path("jobs/<int:pk>/rollouts.jsonl", views.rollouts_jsonl, name="rollouts_jsonl"),
     path("jobs/<int:pk>/rollouts/compare/", views.rollout_compare, name="rollout_compare"),
     path("jobs/<int:pk>/rollouts/<int:rollout_id>/", views.rollout_detail, name="rollout_detail"),
+    path(
+        "jobs/<int:pk>/rollouts/<int:rollout_id>/image", views.rollout_image, name="rollout_image"
+    ),
     path("jobs/<int:pk>/rollouts/<int:rollout_id>/flag/", views.rollout_flag, name="rollout_flag"),
     path("jobs/<int:pk>/report.json", views.job_report_json, name="job_report_json"),
     path("delta/", views.delta_page, name="delta"),

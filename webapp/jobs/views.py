@@ -14,7 +14,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
-from django.http import Http404, HttpResponse, StreamingHttpResponse
+from django.http import FileResponse, Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
@@ -515,6 +515,29 @@ def rollout_compare(request, pk: int):
         for r in pair
     ]
     return render(request, "jobs/rollout_compare.html", {"job": job, "columns": columns})
+
+
+@login_required
+def rollout_image(request, pk: int, rollout_id: int):
+    """One image the rollout's env drew in its state views (the browser env's screenshots),
+    read from the job's own folder: only a path the env listed, and only inside that
+    folder (services.job_file_path); anything else is a 404."""
+    job = selectors.job_for_user(request.user, pk)
+    rollout = selectors.rollout_for_job(job, rollout_id)
+    name = request.GET.get("path", "")
+    listed = {
+        image["path"]
+        for view in presenters.state_views(selectors.job_env_class(job), rollout.state)
+        for image in view.get("images", [])
+    }
+    content_type = services.IMAGE_TYPES.get(name.rsplit(".", 1)[-1].lower())
+    if name not in listed or content_type is None:
+        raise Http404("no such image in this rollout")
+    try:
+        path = services.job_file_path(job=job, name=name, what="image")
+    except ValidationError:
+        raise Http404("no such image in this rollout") from None
+    return FileResponse(open(path, "rb"), content_type=content_type)
 
 
 @login_required
