@@ -258,3 +258,31 @@ def test_a_job_on_several_gpus_runs_data_parallel_unless_it_splits_placement(tin
     assert data_parallel_processes(2, split) == 1
     with pytest.raises(ValueError, match="data-parallel run"):
         run_rl_ranks(split, processes=2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_sft_job_on_two_gpus_runs_data_parallel_in_the_worker(
+    alice, tiny_model, sft_data, tmp_path
+):
+    from webapp.jobs.models import Job, Metric
+    from workers.sink import DatabaseSink
+    from workers.tasks import execute
+
+    # The device is the CPU (gloo) here; on a GPU node the same path runs NCCL over n cards.
+    config = dict(
+        model=tiny_model,
+        dataset=str(sft_data),
+        output_dir=str(tmp_path / "job"),
+        device="cpu",
+        max_steps=2,
+        batch_size=4,
+        micro_batch_size=2,
+    )
+    job = Job.objects.create(owner=alice, kind="sft", status="running", config=config, gpus=2)
+    sink = DatabaseSink(job).start()
+    _, result = execute(job, sink)
+    sink.close()
+
+    assert result["checkpoint"] == str(tmp_path / "job" / "final")
+    assert (tmp_path / "job" / "ranks" / "rank_1.log").is_file()  # a second rank trained
+    assert Metric.objects.filter(job=job, name="loss/sft").count() == 2

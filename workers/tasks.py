@@ -195,18 +195,23 @@ def execute(job: Job, sink: DatabaseSink, engine: str = "local") -> tuple[dict |
         with served_config(job, config, engine) as config:
             stats = run_synth(build_config(SynthConfig, [("job config", config)]), sink)
         return stats, dict(stats)
+    # A training job on n > 1 GPUs runs data-parallel over n processes, this one rank 0
+    # (rlcore/train/distributed.py), unless its RL run splits placement over two GPUs.
     if job.kind == Job.Kind.SFT:
         from rlcore.train.config import SFTConfig, build_config
-        from rlcore.train.sft import run_sft
+        from rlcore.train.distributed import data_parallel_processes, run_sft_ranks
 
-        path = run_sft(build_config(SFTConfig, [("job config", config)]), sink)
+        sft_config = build_config(SFTConfig, [("job config", config)])
+        processes = data_parallel_processes(job.gpus, sft_config)
+        path = run_sft_ranks(sft_config, sink, processes=processes)
         return dict(sink.last_metrics), {"checkpoint": path}
     if job.kind == Job.Kind.RL:
         from rlcore.train.config import RLConfig, build_config
-        from rlcore.train.grpo import run_rl
+        from rlcore.train.distributed import data_parallel_processes, run_rl_ranks
 
         rl_config = build_config(RLConfig, [("job config", config)])
-        path = run_rl(rl_config, sink, engine=engine)
+        processes = data_parallel_processes(job.gpus, rl_config)
+        path = run_rl_ranks(rl_config, sink, processes=processes, engine=engine)
         return dict(sink.last_metrics), {"checkpoint": path}
     if job.kind == Job.Kind.AUDIT:
         from workers.checklist import run_audit_job
