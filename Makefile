@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 
-.PHONY: run test screenshots install install-dev bench clean bubblewrap
+.PHONY: run test screenshots install install-dev bench clean bubblewrap chromium
 
 $(VENV)/.installed: requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -14,18 +14,27 @@ $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
 	touch $@
 
-# Debian's bubblewrap jails the code environment's candidate programs (rlcore/sandbox.py);
-# installed the way scripts/test.sh installs chromium for the browser tests.
-bubblewrap:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  echo "bubblewrap: installing Debian's bubblewrap for the code environment's sandbox"; \
+# apt_install(command, package, purpose): Debian's package, when its command is missing.
+define apt_install
+	@command -v $(1) >/dev/null 2>&1 || { \
+	  echo "$(2): installing Debian's $(2) $(3)"; \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; \
+	    apt-get install -y -q $(2) >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q $(2) >/dev/null; }; \
 	  else \
-	    sudo apt-get install -y -q bubblewrap >/dev/null; \
+	    sudo apt-get install -y -q $(2) >/dev/null; \
 	  fi; }
+endef
 
-install: $(VENV)/.installed bubblewrap
+# Debian's bubblewrap jails the code environment's candidate programs (rlcore/sandbox.py).
+bubblewrap:
+	$(call apt_install,bwrap,bubblewrap,for the code environment's sandbox)
+
+# Debian's chromium runs the browser environment's episodes through Playwright
+# (rlcore/envs/browser_session.py; CHROMIUM_PATH names another binary) and the browser tests.
+chromium:
+	$(call apt_install,chromium,chromium,for the browser environment)
+
+install: $(VENV)/.installed bubblewrap chromium
 install-dev: $(VENV)/.installed-dev
 
 run: install
