@@ -49,6 +49,7 @@ from webapp.jobs.models import (
     checkpoint_model_name,
 )
 from webapp.jobs.nodes import node_stop, nodes_mark_gone
+from webapp.jobs.services import judge_key_check
 from workers.celery import app
 from workers.engines import job_engine, play_servers, served_config
 from workers.nodes import NodeReporter, node_facts
@@ -176,6 +177,9 @@ def execute(job: Job, sink: DatabaseSink, engine: str = "local") -> tuple[dict |
     config = dict(job.config)
     # Whatever the stored config says, a key only goes where staff declared it may.
     ApiKey.check_use(base_url=config.get("base_url"), env_var=config.get("api_key_env"))
+    if config.get("env"):
+        # Nor a judge's key the env's parameters name (checked when saved, and again here).
+        judge_key_check(env_name=config["env"], params=config.get("env_args") or {})
     if job.kind == Job.Kind.EVAL:
         from rlcore.evaluate import EvalConfig, format_summary, run_eval
         from rlcore.train.config import build_config

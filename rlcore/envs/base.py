@@ -204,9 +204,11 @@ class Environment(ABC):
     facts: ClassVar[list[Fact]] = []
     # The heading the inspector puts over `state_views`.
     state_views_title: ClassVar[str] = "Final state"
-    # The parameter naming the judge model, for an env that scores with an LLM judge; the
-    # lab's form then recommends a judge of another family than the policy's. "" if none.
-    judge_model_param: ClassVar[str] = ""
+    # For an env that scores with an LLM judge: which parameters name the judge's model,
+    # endpoint and API key variable ({"model": ..., "base_url": ..., "api_key_env": ...}).
+    # The lab recommends a judge of another family than the policy's, and sends a key only
+    # to the endpoint staff declared it for. Empty if none.
+    judge_params: ClassVar[dict[str, str]] = {}
 
     def __init__(self, **params: Any):
         self.config = validate_params(self.params, params)

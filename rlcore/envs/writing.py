@@ -77,7 +77,11 @@ class WritingEnv(SingleTurnEnv):
         "pairwise with the order randomised), with an optional length penalty."
     )
     outcome_labels = ("judged", "unjudged")
-    judge_model_param = "judge_model"
+    judge_params = {
+        "model": "judge_model",
+        "base_url": "judge_base_url",
+        "api_key_env": "judge_api_key_env",
+    }
     params = [
         Param(
             "judge_base_url",

@@ -1,13 +1,17 @@
 """An env that scores with an LLM judge says in its config form that a judge of another
 model family than the policy's is recommended, and the lab warns when the judge and the
-policy are of one family (by the weights' `model_type`, else the model's name)."""
+policy are of one family (by the weights' `model_type`, else the model's name). Its
+judge's API key goes only to the endpoint staff declared it for."""
 
 import json
 
 import pytest
 
+from rlcore.envs import ParamError
+from rlcore.events import RecordingSink
 from webapp.jobs import services
-from webapp.jobs.models import Job
+from webapp.jobs.models import ApiKey, Job
+from workers.tasks import execute
 
 pytestmark = pytest.mark.django_db
 
@@ -17,7 +21,11 @@ def writing_config(owner, judge_model: str):
         owner=owner,
         name=f"writing {judge_model}",
         env_name="writing",
-        params={"judge_base_url": "http://127.0.0.1:9/v1", "judge_model": judge_model},
+        params={
+            "judge_base_url": "http://127.0.0.1:9/v1",
+            "judge_model": judge_model,
+            "judge_api_key_env": "",
+        },
     )
 
 
@@ -69,3 +77,38 @@ def test_families_come_from_model_type_then_name(alice, tmp_path, settings):
         owner=alice, name="mine", kind="checkpoint", location=str(weights)
     )
     assert services.model_entry_family(entry) == "llama"
+
+
+def test_a_judge_key_goes_only_where_staff_declared_it(alice, alice_client):
+    post = {"name": "leak", "param_judge_base_url": "https://attacker.example/v1",
+            "param_judge_model": "m", "param_judge_api_key_env": "SECRET_KEY",
+            "param_mode": "pointwise", "param_judge_max_tokens": 64, "param_max_words": 80,
+            "param_length_penalty": 0}  # fmt: skip
+    page = alice_client.post("/envs/writing/new/", post)
+    errors = page.context["form"].errors
+    assert (
+        "param_judge_api_key_env" in errors and "SECRET_KEY" in errors["param_judge_api_key_env"][0]
+    )
+    assert not alice.environmentconfig_set.exists()
+    # The key staff declared for that judge's endpoint may go there.
+    ApiKey.objects.create(name="judge", env_var="JUDGE_KEY", base_url="https://judge.example/v1")
+    post |= {
+        "param_judge_base_url": "https://judge.example/v1",
+        "param_judge_api_key_env": "JUDGE_KEY",
+    }
+    assert alice_client.post("/envs/writing/new/", post).status_code == 302
+
+    # Nor through a job's overrides...
+    config = writing_config(alice, "gpt-4o-mini")
+    tiny = services.model_create(owner=alice, name="tiny", kind="tiny")
+    body = {"kind": "eval", "env_config": config.pk, "model": tiny.pk,
+            "overrides": "env_args.judge_api_key_env=DATABASE_URL"}  # fmt: skip
+    answer = alice_client.post("/api/jobs/", json.dumps(body), "application/json")
+    assert answer.status_code == 400
+    assert "DATABASE_URL" in answer.json()["errors"]["env_args.judge_api_key_env"][0]
+    # ...nor from a config stored before the check: the worker refuses to run it.
+    job = Job.objects.create(owner=alice, kind="eval", env_config=config, model=tiny, config={
+        "env": "writing", "model": "tiny", "env_args": config.params | {
+            "judge_base_url": "https://attacker.example/v1", "judge_api_key_env": "SECRET_KEY"}})  # fmt: skip
+    with pytest.raises(ParamError, match="SECRET_KEY"):
+        execute(job, RecordingSink())

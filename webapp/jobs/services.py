@@ -77,7 +77,23 @@ def env_params_resolve(*, env_name: str, params: dict) -> dict:
         env = load_environment(env_name, **params)
     except KeyError as exc:
         raise ParamError({"env_name": str(exc.args[0])}) from None
+    judge_key_check(env_name=env_name, params=env.config)
     return dict(env.config)
+
+
+def judge_key_check(*, env_name: str, params: dict) -> None:
+    """ParamError on the key variable's parameter unless the judge's API key may go to the
+    judge's endpoint (ApiKey.check_use): an env parameter must not let a user send a
+    server secret (SECRET_KEY, a cloud token) to a URL of their choosing."""
+    names = get_env_class(env_name).judge_params
+    if not names.get("api_key_env"):
+        return
+    try:
+        ApiKey.check_use(
+            base_url=params.get(names.get("base_url", "")), env_var=params.get(names["api_key_env"])
+        )
+    except PermissionError as exc:
+        raise ParamError({names["api_key_env"]: f"{exc}; leave it blank to send no key"}) from None
 
 
 def env_config_save(
@@ -813,7 +829,7 @@ def judge_model_of(env_config: EnvironmentConfig | None) -> str | None:
     if env_config is None:
         return None
     try:
-        param = get_env_class(env_config.env_name).judge_model_param
+        param = get_env_class(env_config.env_name).judge_params.get("model")
     except KeyError:
         return None
     if not param:

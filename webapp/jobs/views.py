@@ -176,7 +176,7 @@ def env_config_edit(request, pk: int):
 def _judge_advice(user, env_name: str, config=None) -> dict | None:
     """For an env that scores with an LLM judge: its judge model, that model's family,
     and the user's models of the same family (a judge favours its own family's style)."""
-    if not get_env_class(env_name).judge_model_param:
+    if not get_env_class(env_name).judge_params.get("model"):
         return None
     judge = services.judge_model_of(config) if config else ""
     family = services.model_family(judge) if judge else ""
