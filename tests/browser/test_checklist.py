@@ -70,3 +70,27 @@ def test_an_audit_shows_its_progress_then_its_report(page: Page, stack):
     expect(page.locator("#audit-throughput .warn-row")).to_have_count(1)
     expect(page.locator("#audit-json")).to_have_attribute("href", re.compile(r"/report\.json$"))
     screenshot(page, "audit.png")
+
+
+def test_a_held_out_delta_answers_whether_training_helped(page: Page, stack):
+    # The env's own players stand in for a starting and a trained model: no weights to load.
+    config_id, base_id, trained_id = stack.django(
+        "from django.contrib.auth.models import User\n"
+        "from webapp.jobs import services\n"
+        "alice = User.objects.get(username='alice')\n"
+        "config = services.env_config_save(owner=alice, name='rev delta', "
+        "env_name='reverse_text', params={'max_chars': 40})\n"
+        "base = services.model_create(owner=alice, name='echo', kind='builtin', location='echo')\n"
+        "trained = services.model_create(owner=alice, name='reverser', kind='builtin', "
+        "location='oracle')\n"
+        "print(config.pk, base.pk, trained.pk)"
+    ).split()[-3:]
+    page.goto("/delta/")
+    page.select_option("#id_env_config", config_id)
+    page.select_option("#id_trained", trained_id)
+    page.select_option("#id_base", base_id)
+    page.fill("#id_num_examples", "12")
+    page.click("#run-delta")
+    expect(page.locator("#delta-verdict")).to_contain_text("Did training help? yes", timeout=60_000)
+    expect(page.locator("#delta-metrics tr[data-metric=reward] td").last).to_have_text("higher")
+    screenshot(page, "delta.png")
