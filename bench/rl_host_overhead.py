@@ -8,8 +8,8 @@ with the recipe's settings, `run_rollouts`, the local engine with the tiny model
 tokenizer and every concurrent turn in one batch, then advantages and training
 sequences) with one stand-in: the engine's sampling (`LocalEngine._sample`, the only part
 that runs the model) returns 64 token ids drawn from the vocabulary, seeded by the
-prompt's ids, as an untrained model's replies are (every reply an invalid move, so every
-game runs its 6 turns). What remains is host work: rendering and tokenizing the turn
+prompt's ids, different for each rollout of a group, as an untrained model's replies are
+(every reply an invalid move, so every game runs its 6 turns). What remains is host work: rendering and tokenizing the turn
 prompts, the engine's per-request bookkeeping, decoding replies, playing and scoring the
 games, building the sequences.
 
@@ -64,10 +64,14 @@ PARTS = (
 
 def stand_in_sample(requests) -> list[tuple[list[int], list[float], str]]:
     """64 token ids per request, drawn from the vocabulary (no special tokens) with a seed
-    made of the prompt's ids, so two runs given the same prompts reply the same."""
-    replies = []
+    made of the prompt's ids and how many requests of the batch had that prompt before, so
+    the rollouts of a group reply differently (as sampling does) and two runs given the same
+    prompts in the same order reply the same."""
+    replies, seen = [], {}
     for request in requests:
-        rng = random.Random(hash(tuple(request.prompt_ids)))  # an int tuple's hash is stable
+        prompt = tuple(request.prompt_ids)
+        seen[prompt] = seen.get(prompt, -1) + 1
+        rng = random.Random(hash((prompt, seen[prompt])))  # an int tuple's hash is stable
         ids = rng.choices(range(3, VOCAB), k=REPLY_TOKENS)
         replies.append((ids, [-1.0] * REPLY_TOKENS, "length"))
     return replies

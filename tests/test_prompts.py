@@ -1,5 +1,7 @@
-"""Prompts of growing conversations: ids reused from earlier turns' prompts are exactly the
-ids of tokenizing each prompt whole, on the shipped tokenizer and in real rollouts."""
+"""Prompts of growing conversations: text rendered only for the messages added since an
+earlier prompt, and ids reused from earlier prompts, are exactly the text and ids of
+rendering and tokenizing each prompt whole, on the shipped tokenizer and template, on
+templates that look beyond the message at hand, and in real rollouts of several envs."""
 
 import asyncio
 import random
@@ -10,7 +12,13 @@ from transformers import AutoTokenizer
 
 from rlcore.envs.registry import load_environment
 from rlcore.policy.local import LocalEngine
-from rlcore.policy.prompts import PrefixTokenizer, prefix_reuse_problem
+from rlcore.policy.prompts import (
+    PrefixTokenizer,
+    PromptRenderer,
+    message_local_problem,
+    prefix_reuse_problem,
+)
+from rlcore.policy.tiny import CHAT_TEMPLATE
 from rlcore.types import SamplingParams
 
 # Pieces of replies that sit badly at a cut: leading newlines and spaces, added tokens,
@@ -102,9 +110,87 @@ def test_rollout_prompts_are_the_whole_rendered_conversation_tokenized(
     for rollout in rollouts:
         assistant_at = [i for i, m in enumerate(rollout.messages) if m["role"] == "assistant"]
         for turn, at in zip(rollout.turns, assistant_at, strict=False):
-            text = engine.render_prompt(rollout.messages[:at], env.tool_schemas)
+            text = engine.tokenizer.apply_chat_template(
+                rollout.messages[:at],
+                tools=env.tool_schemas,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             assert turn.prompt_ids == whole(engine.tokenizer, [text])[0]
             checked += 1
     assert checked >= len(rollouts)
     if checked > len(rollouts):  # some game went on after its first reply
         assert engine._prompt_tokenizer.reused_chars > 0
+        assert engine._renderer.reused_messages > 0
+
+
+# A ChatML template that, like many published ones, looks at the conversation as a whole:
+# a default system prompt unless the first message is one, and a marker on the last one.
+LOOKING_AROUND = (
+    "{%- if messages[0].role != 'system' -%}{{ '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content }}"
+    "{%- if loop.last %} (last){% endif -%}{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def test_the_shipped_template_renders_each_message_alone():
+    assert message_local_problem(CHAT_TEMPLATE) is None
+
+
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [
+        (LOOKING_AROUND, "reads messages outside"),
+        ("{% for m in messages %}{{ loop.index }}{{ m.content }}{% endfor %}", "`loop`"),
+        ("{% for m in messages %}{{ messages|length }}{% endfor %}", "'messages'"),
+        ("{% for m in messages %}{% if m.role == 'x' %}{% break %}{% endif %}{% endfor %}",
+         "breaks"),
+        ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = 1 %}{% endfor %}",
+         "namespace"),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}{% for m in messages %}{% endfor %}",
+         "2 top-level loops"),
+        ("{% for m in messages %}{{ add_generation_prompt }}{% endfor %}",
+         "'add_generation_prompt'"),
+    ],
+)  # fmt: skip
+def test_templates_that_look_beyond_the_message_are_rendered_whole(template, problem):
+    assert problem in message_local_problem(template)
+
+
+def conversations(rng: random.Random, count: int, turns: int, tool_calls: bool = False):
+    """Per turn, `count` growing conversations: sometimes a tool result or two, and with
+    `tool_calls` some replies carrying tool calls (rendered whole)."""
+    chats = [[{"role": "user", "content": "Go."}] for _ in range(count)]
+    for chat in chats[::2]:
+        chat.insert(0, {"role": "system", "content": "Play."})
+    for _ in range(turns):
+        yield [list(chat) for chat in chats]
+        for chat in chats:
+            reply = {"role": "assistant", "content": "".join(rng.choices(PIECES, k=5))}
+            if tool_calls and rng.random() < 0.3:
+                reply["tool_calls"] = [{"function": {"name": "add", "arguments": {"a": 1}}}]
+            chat.append(reply)
+            for _ in range(rng.choice([0, 1, 1, 2])):
+                chat.append({"role": rng.choice(["user", "tool"]), "content": rng.choice(PIECES)})
+
+
+@pytest.mark.parametrize("template", ["shipped", "looking around"])
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_growing_conversations_render_as_whole_texts(default_tiny_model, template, tools):
+    tokenizer = AutoTokenizer.from_pretrained(default_tiny_model)
+    if template == "looking around":
+        tokenizer.chat_template = LOOKING_AROUND
+    renderer = PromptRenderer(tokenizer, max_entries=50)
+    for chats in conversations(random.Random(template), count=30, turns=6, tool_calls=True):
+        for chat in chats:
+            expected = tokenizer.apply_chat_template(
+                chat, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+            assert renderer.render(chat, tools) == expected
+    assert (renderer.reused_messages > 0) == (template == "shipped")
+    assert len(renderer._texts) <= 50

@@ -39,7 +39,7 @@ from typing import Any
 
 from rlcore.policy.base import ContextExceeded, Policy, PolicyError, StopRequested
 from rlcore.policy.kv_cache import DEFAULT_MAX_BYTES, PrefixCache, growing_cache, plain_layers
-from rlcore.policy.prompts import PrefixTokenizer
+from rlcore.policy.prompts import PrefixTokenizer, PromptRenderer
 from rlcore.policy.static_decode import (
     DecodeRequest,
     StaticDecoder,
@@ -213,11 +213,11 @@ class LocalEngine(Policy):
         if max_batch_size is None:
             max_batch_size = MAX_BATCH_GPU if on_gpu and decode == "static" else MAX_BATCH_CPU
         self.max_batch_size = max_batch_size
-        # Keeps the ids of earlier prompts' beginnings: enough for every conversation of a
-        # few batches to find its previous turn's.
-        self._prompt_tokenizer = PrefixTokenizer(
-            self.tokenizer, max_entries=max(8192, 4 * max_batch_size)
-        )
+        # Keep the text and ids of earlier prompts: enough for every conversation of a few
+        # batches to find its previous turn's.
+        kept = max(8192, 4 * max_batch_size)
+        self._renderer = PromptRenderer(self.tokenizer, max_entries=kept)
+        self._prompt_tokenizer = PrefixTokenizer(self.tokenizer, max_entries=kept)
         self._generation_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
@@ -254,11 +254,11 @@ class LocalEngine(Policy):
 
     # -- prompts ---------------------------------------------------------------------------
     def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> str:
-        """The chat template's text of `messages`, with a generation prompt."""
+        """The chat template's text of `messages`, with a generation prompt (rendering only
+        what a conversation gained since an earlier prompt, where the template allows:
+        prompts.py)."""
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
-            )
+            return self._renderer.render(messages, tools)
         except Exception as exc:  # jinja raises many kinds; the caller needs the message
             raise PolicyError(
                 f"chat template of {self.name!r} failed on these messages: "

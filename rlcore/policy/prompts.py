@@ -189,3 +189,193 @@ class PrefixTokenizer:
         while len(self._entries) > self.max_entries or self._chars > self.max_chars:
             dropped, _ = self._entries.popitem(last=False)
             self._chars -= len(dropped)
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering
+
+
+def message_local_problem(chat_template) -> str | None:
+    """Why `chat_template` may render a message differently depending on the others, or
+    None when it cannot: its one loop over `messages` reads nothing but the message at
+    hand (no `loop`, no other message, no `namespace` carried between iterations, no
+    `break`), and nothing outside the loop reads `messages`. Then a conversation renders
+    as a head (the tools block) + one piece per message + the generation prompt."""
+    if not isinstance(chat_template, str):
+        return f"the chat template is a {type(chat_template).__name__}, not one template"
+    try:
+        from jinja2 import nodes
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        environment = _compile_jinja_template(chat_template).environment
+        tree = environment.parse(chat_template)
+    except Exception as exc:  # an unparseable template renders whole, as before
+        return f"cannot parse the template: {type(exc).__name__}: {exc}"
+    if any(isinstance(n, nodes.NSRef) for n in tree.find_all(nodes.NSRef)):
+        return "it assigns namespace attributes"
+    for call in tree.find_all(nodes.Call):
+        if isinstance(call.node, nodes.Name) and call.node.name == "namespace":
+            return "it uses namespace()"
+    loops = [
+        n
+        for n in tree.body
+        if isinstance(n, nodes.For) and isinstance(n.iter, nodes.Name) and n.iter.name == "messages"
+    ]
+    if len(loops) != 1:
+        return f"{len(loops)} top-level loops over messages (one accepted)"
+    (loop,) = loops
+    if loop.else_ or loop.test is not None or loop.recursive:
+        return "its loop over messages has an else, a filter or recursion"
+    after = False
+    for node in tree.body:
+        if node is loop:
+            after = True
+            continue
+        if not isinstance(node, nodes.Macro | nodes.Output | nodes.If | nodes.Assign):
+            return f"a top-level {type(node).__name__} block"
+        names = {n.name for n in node.find_all(nodes.Name)}
+        if "messages" in names:
+            return "it reads messages outside its loop over them"
+        if "add_generation_prompt" in names and not after:
+            return "it reads add_generation_prompt before its loop over messages"
+    return _loop_body_problem(loop.body, nested=False)
+
+
+def _loop_body_problem(body, *, nested: bool) -> str | None:
+    """What in the messages loop's `body` reaches beyond the message at hand; `nested`:
+    inside an inner loop, whose own `loop`, `break` and `continue` are its business."""
+    from jinja2 import nodes
+
+    for node in body:
+        if isinstance(node, nodes.For):
+            for part in (node.target, node.iter, node.test):
+                problem = part is not None and _loop_body_problem([part], nested=nested)
+                if problem:
+                    return problem
+            problem = _loop_body_problem(node.body + node.else_, nested=True)
+            if problem:
+                return problem
+            continue
+        if not nested and isinstance(node, nodes.Break | nodes.Continue):
+            return "its loop over messages breaks or continues"
+        if isinstance(node, nodes.Name):
+            if node.name in ("messages", "add_generation_prompt", "self"):
+                return f"its loop over messages reads {node.name!r}"
+            if node.name == "loop" and not nested:
+                return "its loop over messages reads `loop`"
+        problem = _loop_body_problem(list(node.iter_child_nodes()), nested=nested)
+        if problem:
+            return problem
+    return None
+
+
+def _message_key(message) -> tuple | None:
+    """A hashable stand-in for a message of plain string fields, else None."""
+    if type(message) is not dict:
+        return None
+    items = tuple(message.items())
+    for _, value in items:
+        if type(value) is not str:
+            return None
+    return items
+
+
+class PromptRenderer:
+    """`render(messages, tools)`: the chat template's text of `messages` with a generation
+    prompt, as `tokenizer.apply_chat_template` gives it, rendering only the messages added
+    since an earlier call's conversation where the template is message-local
+    (`message_local_problem`): the text of that conversation, kept without its generation
+    prompt, plus the rendering of the new messages less the template's head. Messages with
+    other than string fields (tool calls, content parts) are rendered whole each time.
+    Keeps at most `max_entries` conversations and `max_chars` characters of them."""
+
+    # How many trailing messages a conversation may have gained since its last rendering:
+    # a turn adds a reply and the env's answer (and perhaps a tool result or two).
+    MAX_NEW_MESSAGES = 4
+
+    def __init__(self, tokenizer, max_entries: int = 8192, max_chars: int = 32_000_000):
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self.max_chars = max_chars
+        self.problem = message_local_problem(getattr(tokenizer, "chat_template", None))
+        self._texts: OrderedDict[tuple, str] = OrderedDict()
+        self._chars = 0
+        # Per tools (as JSON): (head, generation prompt), or None where probing found the
+        # template does not render as head + pieces + generation prompt.
+        self._frames: dict[str, tuple[str, str] | None] = {}
+        self._lock = threading.Lock()
+        self.reused_messages = 0
+
+    def _apply(self, messages, tools, generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def render(self, messages: list, tools: list[dict] | None = None) -> str:
+        if self.problem is not None:
+            return self._apply(messages, tools)
+        keys = [_message_key(message) for message in messages]
+        if None in keys:
+            return self._apply(messages, tools)
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        frame = self._frame(tools, tools_key)
+        if frame is None:
+            return self._apply(messages, tools)
+        head, generation_prompt = frame
+        prefix, start = None, len(messages)
+        with self._lock:
+            for start in range(
+                len(messages) - 1, max(0, len(messages) - 1 - self.MAX_NEW_MESSAGES), -1
+            ):
+                prefix = self._texts.get((tools_key, *keys[:start]))
+                if prefix is not None:
+                    self._texts.move_to_end((tools_key, *keys[:start]))
+                    break
+        if prefix is None:
+            text = self._apply(messages, tools)
+        else:
+            self.reused_messages += start
+            text = prefix + self._apply(messages[start:], tools)[len(head) :]
+        if text.endswith(generation_prompt):
+            self._keep((tools_key, *keys), text[: len(text) - len(generation_prompt)])
+        return text
+
+    def _frame(self, tools, tools_key: str) -> tuple[str, str] | None:
+        """(head, generation prompt) of the template with these tools, found by rendering
+        probe conversations and checking they are head + pieces + generation prompt."""
+        if tools_key in self._frames:
+            return self._frames[tools_key]
+        probes = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u\n"},
+            {"role": "assistant", "content": " a"},
+            {"role": "user", "content": ""},
+        ]
+        frame = None
+        try:
+            alone = [self._apply([m], tools, False) for m in probes]
+            whole = self._apply(probes, tools, False)
+            with_prompt = self._apply(probes, tools, True)
+            head_size = (sum(map(len, alone)) - len(whole)) // (len(probes) - 1)
+            head = alone[0][:head_size]
+            pieces = [text[head_size:] for text in alone]
+            if (
+                all(text.startswith(head) for text in alone)
+                and whole == head + "".join(pieces)
+                and with_prompt.startswith(whole)
+            ):
+                frame = (head, with_prompt[len(whole) :])
+        except Exception:  # the template refuses the probes: render whole, as before
+            frame = None
+        self._frames[tools_key] = frame
+        return frame
+
+    def _keep(self, key: tuple, text: str) -> None:
+        with self._lock:
+            if key in self._texts:
+                return
+            self._texts[key] = text
+            self._chars += len(text)
+            while len(self._texts) > self.max_entries or self._chars > self.max_chars:
+                _, dropped = self._texts.popitem(last=False)
+                self._chars -= len(dropped)
