@@ -1,0 +1,269 @@
+"""Seconds per RL step on one GPU, on two GPUs with generation and training split, and on
+two GPUs data-parallel, for the tiny model and a ~0.5 B model.
+
+    python bench/multi_gpu.py [--device auto] [--models tiny,qwen2-0.5b] [--steps 3]
+        [--prompts 32] [--group 8] [--max-tokens 48] [--budget-s 420] [--out PATH]
+
+Each figure is `run_rl`'s own `perf/step_seconds` (with its rollout and train parts), the
+median of `--steps` steps after one untimed step (graph capture, allocator warm-up), in
+three placements of the same run (rlcore/train/distributed.py):
+- single: one GPU, the engine sampling the trainer's own model (colocated);
+- split: generation on cuda:0, training on cuda:1, the weights copied over after each step;
+- parallel: two processes (NCCL), rank 0 generating, both ranks taking half of the update.
+The task is `reverse_text` (paragraph mode): `--prompts` x `--group` completions a step of
+at most `--max-tokens` tokens, temperature 1, loss grpo with a KL term (beta 0.04), so
+every sequence is trained even though an untrained model's rewards are all 0 (the
+reference's forward and the scoring pass are part of the step), lr 1e-5 constant, micro
+batches of 16 sequences. Models: the built-in tiny model, and Qwen2-0.5B's config with
+random weights (bench/local_engine.py's builder, the tiny tokenizer), fp32 weights with
+bf16 autocast as the trainer runs them. Every run is a child process (a clean CUDA state,
+and a run that hangs is cut off at the time left of `--budget-s`); results are written
+after each one.
+
+Needs two CUDA GPUs (says so and exits 2 otherwise); `--device cpu` runs the same three on
+the CPU (split: two CPU "devices"; parallel: gloo) as a smoke check. Writes
+bench/results/multi_gpu.json (`--out` elsewhere) with the card names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from benchlib import write_results  # noqa: E402
+
+MODES = ("single", "split", "parallel")
+NO_TWO_GPUS = 2
+
+
+def build_model(name: str, device: str, directory: Path) -> str:
+    """A model directory for `name`: the tiny model's own, or qwen2-0.5b saved to
+    `directory` (random weights from Qwen2-0.5B's config, the tiny tokenizer)."""
+    from rlcore.policy.tiny import ensure_tiny_model
+
+    if name == "tiny":
+        return ensure_tiny_model()
+    from local_engine import load_model
+
+    model, tokenizer = load_model(name, device, torch.float32)
+    path = directory / name
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return str(path)
+
+
+def run_one(spec: dict) -> dict:
+    """One placement of one model (in a child process): step times, rank 0's peak memory."""
+    from rlcore.events import NullSink
+    from rlcore.train.config import RLConfig, build_config
+    from rlcore.train.distributed import run_rl_ranks
+
+    class StepTimes(NullSink):
+        def __init__(self):
+            self.steps: list[dict] = []
+
+        def metric(self, step, values):
+            self.steps.append(
+                {
+                    "step": values["perf/step_seconds"],
+                    "rollout": values["perf/rollout_seconds"],
+                    "train": values["perf/train_seconds"],
+                    "tokens_per_s": values["perf/tokens_per_s"],
+                }
+            )
+
+    mode, device = spec["mode"], spec["device"]
+    with tempfile.TemporaryDirectory() as output_dir:
+        settings = dict(
+            model=spec["model_path"],
+            env="reverse_text",
+            batch_size=spec["prompts"] * spec["group"],
+            rollouts_per_example=spec["group"],
+            max_tokens=spec["max_tokens"],
+            temperature=1.0,
+            lr=1e-5,
+            lr_schedule="constant",
+            beta=0.04,
+            micro_batch_size=spec["micro_batch_size"],
+            concurrency=spec["prompts"] * spec["group"],
+            save_every=0,
+            log_rollouts=0,
+            device=device,
+            max_steps=spec["steps"] + 1,
+            output_dir=output_dir,
+            placement="split" if mode == "split" else "colocated",
+        )
+        cfg = build_config(RLConfig, [("bench", settings)])
+        sink = StepTimes()
+        started = time.monotonic()
+        run_rl_ranks(cfg, sink, processes=2 if mode == "parallel" else 1)
+        wall = time.monotonic() - started
+    timed = sink.steps[1:]
+    result = {
+        key: statistics.median(s[key] for s in timed)
+        for key in ("step", "rollout", "train", "tokens_per_s")
+    }
+    result |= {"steps": sink.steps, "run_seconds": wall}
+    if device != "cpu":
+        result["peak_gib_by_gpu"] = [
+            torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())
+        ]
+    return result
+
+
+def run_child(spec: dict, timeout_s: float) -> dict:
+    """`run_one(spec)` in a child process, cut off after `timeout_s` together with the
+    rank it started (they share a process group)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        command = [sys.executable, __file__, "--run-one", str(spec_path), str(result_path)]
+        child = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = child.communicate(timeout=max(timeout_s, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            output, _ = child.communicate()
+            return {"error": f"cut off after {timeout_s:.0f} s", "log": output[-3000:]}
+        if child.returncode or not result_path.is_file():
+            return {"error": f"exited with {child.returncode}", "log": output[-3000:]}
+        return json.loads(result_path.read_text())
+
+
+def print_table(rows: list[dict], cards: str) -> None:
+    print(f"\nRL step on reverse_text; {cards}")
+    print(
+        f"{'model':<12}{'placement':<11}{'step s':>8}{'rollout s':>11}{'train s':>9}"
+        f"{'step vs single':>16}{'train vs single':>17}"
+    )
+    for row in rows:
+        if "error" in row:
+            print(f"{row['model']:<12}{row['mode']:<11}  {row['error']}")
+            continue
+        single = next(
+            (r for r in rows if r["model"] == row["model"] and r["mode"] == "single"), None
+        )
+        ratios = ["-", "-"]
+        if single and "error" not in single:
+            ratios = [f"{row[key] / single[key]:.2f}x" for key in ("step", "train")]
+        print(
+            f"{row['model']:<12}{row['mode']:<11}{row['step']:>8.3f}{row['rollout']:>11.3f}"
+            f"{row['train']:>9.3f}{ratios[0]:>16}{ratios[1]:>17}"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto, cuda or cpu (a smoke check)")
+    parser.add_argument("--models", default=None, help="tiny,qwen2-0.5b (CPU default: tiny)")
+    parser.add_argument("--modes", default=",".join(MODES), help="single,split,parallel")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per completion")
+    parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass")
+    parser.add_argument("--budget-s", type=float, default=420, help="stop starting runs after")
+    parser.add_argument("--out", default=None, help="JSON path")
+    parser.add_argument("--run-one", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_one:
+        spec_path, result_path = args.run_one
+        result = run_one(json.loads(Path(spec_path).read_text()))
+        Path(result_path).write_text(json.dumps(result))
+        return result
+
+    started = time.monotonic()
+    # A rank whose peer died gives up after this, not after the default half hour.
+    os.environ.setdefault("RLCORE_DIST_TIMEOUT_S", "180")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "none"
+    if device != "cpu":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < 2:
+            print(
+                f"multi_gpu: needs two CUDA GPUs, torch sees {count}; nothing measured "
+                "(run with --device cpu for a smoke check of the same code on the CPU)"
+            )
+            sys.exit(NO_TWO_GPUS)
+        device = "cuda"
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on lent machines
+        cards = [torch.cuda.get_device_name(i) for i in range(count)]
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        cards = [f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores"]
+    models = (args.models or ("tiny,qwen2-0.5b" if device == "cuda" else "tiny")).split(",")
+    modes = args.modes.split(",")
+    card_text = " + ".join(cards)
+    print(f"multi_gpu: {device}: {card_text}; torch {torch.__version__}", flush=True)
+    results = {
+        "benchmark": "multi_gpu",
+        "device": device,
+        "cards": cards,
+        "torch": torch.__version__,
+        "task": {
+            "env": "reverse_text",
+            "prompts": args.prompts,
+            "group": args.group,
+            "max_tokens": args.max_tokens,
+            "micro_batch_size": args.micro_batch_size,
+            "loss": "grpo, beta 0.04",
+            "steps": args.steps,
+        },
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in models:
+            path = build_model(name, device, Path(scratch))
+            for mode in modes:
+                left = args.budget_s - (time.monotonic() - started)
+                if left < 20:
+                    row = {"error": f"not run: {args.budget_s:.0f} s budget spent"}
+                else:
+                    spec = {
+                        "mode": mode,
+                        "device": device,
+                        "model_path": path,
+                        "steps": args.steps,
+                        "prompts": args.prompts,
+                        "group": args.group,
+                        "max_tokens": args.max_tokens,
+                        "micro_batch_size": args.micro_batch_size,
+                    }
+                    row = run_child(spec, left)
+                row = {"model": name, "mode": mode} | row
+                results["rows"].append(row)
+                summary = row.get("error") or f"{row['step']:.3f} s/step"
+                print(f"  {name} {mode}: {summary}", flush=True)
+                if "error" in row and row.get("log"):
+                    print(row["log"], flush=True)
+                write_results(results, args.out, "multi_gpu.json")
+    print_table(results["rows"], card_text)
+    if any("error" in row for row in results["rows"]):
+        sys.exit(1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
