@@ -312,6 +312,9 @@ def test_the_inspector_shows_the_screenshots_to_the_jobs_owner_alone(
         assert response.status_code == 200 and response["Content-Type"] == "image/jpeg"
         assert b"".join(response.streaming_content) == (folder / shot["path"]).read_bytes()
         assert bob_client.get(source).status_code == 404
+    # The compare page lists the screenshots' captions beside each other's.
+    compare = alice_client.get(f"/jobs/{job.pk}/rollouts/compare/?id={row.pk}&id={row.pk}")
+    assert compare.status_code == 200 and compare.content.decode().count(">start<") == 2
     # Only paths the env listed, and only inside the job's own folder.
     (tmp_path / "runs" / "secret.jpg").write_bytes(b"\xff\xd8\xff secret")
     image = f"{page}image?path="
