@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.envs.base import Fact, MultiTurnEnv, Param, example_seed
-from rlcore.envs.browser_session import ActionError, Session, browser_thread
+from rlcore.envs.browser_session import ActionError, BrowserThread, Session, browser_thread
 from rlcore.envs.browser_site import COLORS, FEATURED, KINDS, SHIPPING, TOPICS, Site, catalog
 from rlcore.envs.browser_site import site_server as _site_server
 from rlcore.parsers import XMLParser, tag_contents
@@ -253,7 +253,7 @@ class Episode:
     observation: str
     screenshot_dir: Path | None
     session: Session | None = None
-    thread: Any = None
+    thread: BrowserThread | None = None
     shots: list[str] = field(default_factory=list)
 
 
@@ -427,9 +427,6 @@ class BrowserEnv(MultiTurnEnv):
         )
 
     # -- the episode ------------------------------------------------------------------------
-    def turn_limit(self) -> int:
-        return self.config["max_turns"]
-
     def _screenshot_root(self) -> Path:
         return Path(self.output_dir) if self.output_dir else rlcore_home() / "browser"
 
