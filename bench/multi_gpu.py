@@ -20,6 +20,15 @@ bf16 autocast as the trainer runs them. Every run is a child process (a clean CU
 and a run that hangs is cut off at the time left of `--budget-s`); results are written
 after each one.
 
+Two checks on the tiny model come first. Split: the generation copy (static decoder, CUDA
+graphs captured) answers a greedy prompt, the trainer's weights change, `copy_weights`
+copies them over, and the next answer's logprobs must be the trainer's own (teacher-forced,
+fp32) with no graph captured again. Parallel: one RL update (two optimizer steps, KL term)
+on a fixed batch with advantages +-1, in one process and on two NCCL ranks: the losses and
+gradient norm (relative difference) and the weights after it (largest difference, in
+units of lr) must agree up to noise. An untrained model's rewards are all 0, so the timed
+runs' own losses cannot show this: their gradient is 0.
+
 Needs two CUDA GPUs (says so and exits 2 otherwise); `--device cpu` runs the same three on
 the CPU (split: two CPU "devices"; parallel: gloo) as a smoke check. Writes
 bench/results/multi_gpu.json (`--out` elsewhere) with the card names.
@@ -126,6 +135,122 @@ def run_one(spec: dict) -> dict:
     return result
 
 
+def check_split(model_path: str, device: str) -> dict:
+    """The generation copy samples the trainer's weights after `copy_weights`, through
+    the static decoder's graphs captured before the copy (on a CPU: the dynamic loop)."""
+    import asyncio
+
+    from rlcore.policy.local import LocalEngine
+    from rlcore.train.common import load_model_and_tokenizer
+    from rlcore.train.distributed import copy_weights, generation_model, placement_devices
+    from rlcore.train.grpo import token_logprobs
+    from rlcore.types import SamplingParams
+
+    train_device, generation_device = placement_devices("split", torch.device(device))
+    model, tokenizer = load_model_and_tokenizer(model_path, train_device)
+    copy = generation_model(model, "split", generation_device)
+    engine = LocalEngine(None, model=copy, tokenizer=tokenizer)
+    prompt = [{"role": "user", "content": "Reverse: abcdef"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+
+    def answer():
+        return asyncio.run(engine.generate(prompt, greedy))
+
+    def gap(generation) -> float:
+        """Largest gap between the engine's logprobs and the trainer's for the same ids."""
+        ids = generation.prompt_ids + generation.completion_ids
+        input_ids = torch.tensor([ids], device=train_device)
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(model, input_ids, torch.ones_like(input_ids), 1.0)
+        trainer = logprobs[0, len(generation.prompt_ids) - 1 :].tolist()
+        return max(abs(a - b) for a, b in zip(generation.logprobs, trainer, strict=True))
+
+    before = answer()
+    captures = engine._static.captures if engine._static else 0
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    stale = answer()
+    copy_weights(model, copy)
+    after = answer()
+    return {
+        "train_device": str(train_device),
+        "generation_device": str(generation_device),
+        "decode": engine.decode,
+        "gap_before_copy": gap(stale),
+        "gap_after_copy": gap(after),
+        "answer_changed": after.completion_ids != before.completion_ids
+        or after.logprobs != before.logprobs,
+        "graphs_captured_before": captures,
+        "graphs_captured_after": engine._static.captures if engine._static else 0,
+        "ok": gap(after) < 1e-3 < gap(stale),
+    }
+
+
+def fixed_sequences(vocabulary: int, count: int = 12) -> list:
+    """`count` sequences of growing length, the second half of each trained with an
+    advantage of +1 or -1 (alternating)."""
+    from rlcore.train.sequences import TrainingSequence
+
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for index in range(count):
+        ids = torch.randint(3, vocabulary, (8 + 5 * index,), generator=generator).tolist()
+        trained = [float(position >= len(ids) // 2) for position in range(len(ids))]
+        sign = 1.0 if index % 2 else -1.0
+        rows.append(TrainingSequence(ids, trained, [sign * w for w in trained], None))
+    return rows
+
+
+def check_parallel(model_path: str, device: str) -> dict:
+    """One update on a fixed batch in one process and on two ranks: the differences."""
+    from rlcore.train.common import resolve_device
+    from rlcore.train.config import RLConfig, build_config
+    from rlcore.train.distributed import backend_for, current_ranks, launch, never
+    from rlcore.train.grpo import build_learner, learn, loss_normalizer
+
+    lr = 1e-4
+    with tempfile.TemporaryDirectory() as output_dir:
+        settings = dict(
+            model=model_path, device=device, output_dir=output_dir, batch_size=12,
+            rollouts_per_example=2, micro_batch_size=4, num_iterations=2, beta=0.04, lr=lr,
+        )  # fmt: skip
+        cfg = build_config(RLConfig, [("check", settings)])
+
+    def update() -> tuple[dict, dict]:
+        ranks = current_ranks()
+        learner, tokenizer, _ = build_learner(cfg, ranks.device(resolve_device(cfg.device)), never)
+        sequences = fixed_sequences(len(tokenizer))
+        normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
+        metrics = learn(learner, ranks.share(sequences, normalizer), normalizer, cfg)
+        ranks.end()
+        weights = {name: p.detach().cpu() for name, p in learner.model.named_parameters()}
+        return metrics, weights
+
+    alone, alone_weights = update()
+    together, together_weights = launch(
+        update,
+        "rlcore.train.distributed:follow_rl",
+        cfg.to_dict(),
+        processes=2,
+        backend=backend_for(device),
+    )
+    relative = {
+        name: abs(together[name] - alone[name]) / max(abs(alone[name]), 1e-8)
+        for name in ("loss/policy", "loss/total", "loss/kl", "optim/grad_norm")
+    }
+    steps = max(
+        float((alone_weights[name] - together_weights[name]).abs().max()) / lr
+        for name in alone_weights
+    )
+    return {
+        "relative_difference": relative,
+        "largest_weight_difference_in_lr": steps,
+        "grad_norm": alone["optim/grad_norm"],
+        "ok": max(relative.values()) < 1e-2 and steps < 1.0,
+    }
+
+
 def run_child(spec: dict, timeout_s: float) -> dict:
     """`run_one(spec)` in a child process, cut off after `timeout_s` together with the
     rank it started (they share a process group)."""
@@ -189,7 +314,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.run_one:
         spec_path, result_path = args.run_one
-        result = run_one(json.loads(Path(spec_path).read_text()))
+        spec = json.loads(Path(spec_path).read_text())
+        checks = {"check_split": check_split, "check_parallel": check_parallel}
+        if spec["mode"] in checks:
+            result = checks[spec["mode"]](spec["model_path"], spec["device"])
+        else:
+            result = run_one(spec)
         Path(result_path).write_text(json.dumps(result))
         return result
 
@@ -236,6 +366,14 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         for name in models:
             path = build_model(name, device, Path(scratch))
+            for mode in ("split", "parallel"):
+                if name != "tiny" or mode not in modes:
+                    continue
+                spec = {"mode": f"check_{mode}", "device": device, "model_path": path}
+                left = args.budget_s - (time.monotonic() - started)
+                results[f"{mode}_check"] = check = run_child(spec, min(120, left))
+                verdict = "ok" if check.get("ok") else "FAILED"
+                print(f"  {mode} check ({name}): {verdict}: {check}", flush=True)
             for mode in modes:
                 left = args.budget_s - (time.monotonic() - started)
                 if left < 20:
@@ -260,7 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
                     print(row["log"], flush=True)
                 write_results(results, args.out, "multi_gpu.json")
     print_table(results["rows"], card_text)
-    if any("error" in row for row in results["rows"]):
+    checks = [results[key] for key in ("split_check", "parallel_check") if key in results]
+    if any("error" in row for row in results["rows"]) or not all(c.get("ok") for c in checks):
         sys.exit(1)
     return results
 
