@@ -148,6 +148,20 @@ def test_hostile_delta_settings_are_refused_naming_the_field(alice_client, rl_jo
     assert not Job.objects.filter(kind="delta").exists()
 
 
+def test_a_delta_goes_to_a_node_with_the_gpus_it_asks_for(alice_client, rl_job, gpu_node):
+    answer = alice_client.post("/api/delta/", delta_form(rl_job, gpus=1), "application/json")
+    assert answer.status_code == 201
+    job = Job.objects.get(pk=answer.json()["id"])
+    assert job.queue == "gpu" and job.gpus == 1
+    services.job_cancel(job=job)
+    too_big = delta_form(rl_job, gpus=1, gpu_memory_gib=200)
+    answer = alice_client.post("/api/delta/", too_big, "application/json")
+    assert answer.status_code == 400 and "gpus" in answer.json()["errors"]
+    sized_nothing = delta_form(rl_job, gpu_memory_gib=40)
+    answer = alice_client.post("/api/delta/", sized_nothing, "application/json")
+    assert answer.status_code == 400 and "gpu_memory_gib" in answer.json()["errors"]
+
+
 def test_a_delta_against_itself_or_on_others_models_is_refused(
     alice_client, bob, bob_client, rl_job
 ):

@@ -493,6 +493,22 @@ class DeltaForm(ServiceErrorsMixin, forms.Form):
     temperature = forms.FloatField(
         min_value=0.0, max_value=5.0, initial=0.0, widget=forms.NumberInput(attrs={"step": "any"})
     )
+    gpus = forms.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=64,
+        initial=0,
+        help_text="GPUs the job runs on (0: a CPU job); both models load on the node.",
+    )
+    gpu_memory_gib = forms.FloatField(
+        required=False,
+        min_value=0.0,
+        max_value=4096.0,
+        initial=0.0,
+        label="GPU memory (GiB)",
+        widget=forms.NumberInput(attrs={"step": "any"}),
+        help_text="The memory each of its GPUs must have (0: any).",
+    )
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)

@@ -724,10 +724,14 @@ def delta_create(
     seed: int,
     max_tokens: int,
     temperature: float,
+    gpus: int | None = None,
+    gpu_memory_gib: float | None = None,
 ) -> Job:
     """Queue the held-out delta (rlcore/delta.py) of `trained` against `base` on
-    `env_config`'s examples from `seed`. The job's model is the trained one and its parent
-    checkpoint the trained checkpoint, which is how a training job finds its deltas."""
+    `env_config`'s examples from `seed`, on a node with `gpus` GPUs of `gpu_memory_gib`
+    (none: the cpu queue). The job's model is the trained one and its parent checkpoint
+    the trained checkpoint, which is how a training job finds its deltas."""
+    needs = needs_resolve({"gpus": gpus, "gpu_memory_gib": gpu_memory_gib}, kind="delta")
     errors = {}
     if base.pk == trained.pk:
         errors["trained"] = f"{trained.name!r} is also the base model; pick the trained one"
@@ -759,7 +763,7 @@ def delta_create(
         owner=owner,
         kind=Job.Kind.DELTA,
         config=config,
-        needs=JobNeeds(),
+        needs=needs,
         env_config=env_config,
         model=trained,
         parent_checkpoint=trained.checkpoint,
