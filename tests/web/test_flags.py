@@ -48,7 +48,7 @@ def test_a_flag_is_added_counted_filtered_and_removed(alice_client, alice_eval, 
     assert 'id="flag-rollout"' in alice_client.get(rollout.get_absolute_url()).content.decode()
 
 
-def test_one_flag_per_person_and_rollout(alice_client, carol, alice_eval):
+def test_one_flag_per_person_and_rollout(alice_client, carol, alice_eval, ttt_config):
     from tests.lab_fixtures import client_for
 
     rollout = first_rollout(alice_eval)
@@ -58,8 +58,13 @@ def test_one_flag_per_person_and_rollout(alice_client, carol, alice_eval):
     # Staff may flag too: a second person's flag on the same rollout.
     client_for(carol).post(flag_url(alice_eval, rollout.pk), {"reason": "agreed"})
     assert RolloutFlag.objects.filter(rollout=rollout).count() == 2
+    # One rollout flagged, by two people: counted once.
     inspector = alice_client.get(f"/jobs/{alice_eval.pk}/rollouts/").content.decode()
-    assert 'id="job-flag-count">1<' in inspector  # one rollout flagged, by two people
+    assert 'id="job-flag-count">1<' in inspector
+    config_page = alice_client.get(f"/envs/configs/{ttt_config.pk}/").content.decode()
+    assert 'id="flag-count">1<' in config_page
+    listed = alice_client.get("/envs/").context["configs"]
+    assert [(c.pk, c.flagged) for c in listed] == [(ttt_config.pk, 1)]
 
 
 def test_flags_are_exported_with_prompt_reply_reward_and_reason(

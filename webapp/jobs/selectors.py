@@ -14,7 +14,7 @@ from operator import itemgetter
 
 from django.core.cache import cache
 from django.db import connection
-from django.db.models import Exists, FloatField, Func, OrderBy, OuterRef, QuerySet
+from django.db.models import Count, Exists, FloatField, Func, OrderBy, OuterRef, QuerySet
 from django.db.models.fields.json import KeyTransform
 from django.shortcuts import get_object_or_404
 
@@ -365,8 +365,21 @@ def env_config_flags(user, env_config: EnvironmentConfig) -> QuerySet[RolloutFla
     return flags_for_user(user).filter(rollout__job__env_config=env_config)
 
 
+def flagged_rollouts(flags: QuerySet[RolloutFlag]) -> int:
+    """How many rollouts `flags` are on (two people flagging one rollout count once)."""
+    return flags.values("rollout").distinct().count()
+
+
 def job_flag_count(job: Job) -> int:
-    return RolloutFlag.objects.filter(rollout__job=job).values("rollout").distinct().count()
+    return flagged_rollouts(RolloutFlag.objects.filter(rollout__job=job))
+
+
+def env_configs_with_flags(user) -> QuerySet[EnvironmentConfig]:
+    """The user's env configs, each with `flagged`: its jobs' rollouts flagged as wrongly
+    scored."""
+    return env_configs_for_user(user).annotate(
+        flagged=Count("jobs__rollouts__flags__rollout", distinct=True)
+    )
 
 
 def last_audit(user, env_config: EnvironmentConfig) -> Job | None:

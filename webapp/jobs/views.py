@@ -55,7 +55,7 @@ def env_list(request):
         "jobs/env_list.html",
         {
             "environments": list_environments(),
-            "configs": selectors.env_configs_for_user(request.user),
+            "configs": selectors.env_configs_with_flags(request.user),
         },
     )
 
@@ -168,7 +168,9 @@ def env_config_edit(request, pk: int):
             "preview_error": preview_error,
             "judge": _judge_advice(request.user, config.env_name, config),
             "audit": selectors.last_audit(request.user, config),
-            "flag_count": selectors.env_config_flags(request.user, config).count(),
+            "flag_count": selectors.flagged_rollouts(
+                selectors.env_config_flags(request.user, config)
+            ),
         },
     )
 
@@ -583,7 +585,9 @@ def env_config_audit(request, pk: int):
             "form": form,
             "audit": audit,
             "report": presenters.audit_report(audit.result if audit else None),
-            "flag_count": selectors.env_config_flags(request.user, config).count(),
+            "flag_count": selectors.flagged_rollouts(
+                selectors.env_config_flags(request.user, config)
+            ),
             "wait": _wait_for(audit),
         },
         status=status,
