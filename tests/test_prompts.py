@@ -57,7 +57,11 @@ def test_the_shipped_tokenizer_allows_reuse(tokenizer):
     assert prefix_reuse_problem(tokenizer) is None
 
 
-def test_growing_prompts_tokenize_as_whole_texts(tokenizer):
+@pytest.mark.parametrize("search_window", [4096, 30, 1])
+def test_growing_prompts_tokenize_as_whole_texts(tokenizer, monkeypatch, search_window):
+    """Also when the earlier prompt ends before the last `search_window` characters,
+    where the search for it starts."""
+    monkeypatch.setattr("rlcore.policy.prompts.SEARCH_WINDOW", search_window)
     prompts = PrefixTokenizer(tokenizer)
     for texts in growing_prompts(tokenizer, conversations=40, turns=6):
         assert prompts.encode(texts) == whole(tokenizer, texts)

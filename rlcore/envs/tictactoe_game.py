@@ -37,7 +37,7 @@ LINES = (
 # A win pays 1; the draw and loss rewards are env params (an unfinished game pays the loss
 # reward), these their defaults.
 # What a think block reads off the board (`think_text`).
-REASONING_FORMATS = ("empty", "threats")
+REASONING_FORMATS = ("empty", "threats", "none")
 MOVE_FORMAT_HINT = "reply with <move>N</move>, N in 0-8"
 # The longest move tag content read as a number ("+04" and "008" still are).
 MAX_MOVE_CHARS = 4
@@ -49,7 +49,8 @@ MAX_MOVE_CHARS = 4
 def board_string(board: Sequence[str] | str) -> str:
     """The board as a 9-character string, or ValueError naming what was wrong."""
     text = board if isinstance(board, str) else "".join(board)
-    if len(text) != 9 or any(cell not in ("X", "O", EMPTY) for cell in text):
+    # Stripping the three cell marks leaves nothing exactly when every cell is one of them.
+    if len(text) != 9 or text.strip("XO" + EMPTY):
         raise ValueError(f"a board is 9 cells, each 'X', 'O' or '{EMPTY}'; got {board!r}")
     return text
 
@@ -299,10 +300,13 @@ def winning_cells(board: Sequence[str] | str, mark: str) -> list[int]:
 def think_text(board: Sequence[str] | str, mark: str, reasoning: str = "empty") -> str:
     """What the built-in players think before moving as `mark`, in `reasoning` format:
     'Empty: 0 4 8.' and, for 'threats', 'Win: 2. Block: none.' (the cells where `mark`
-    completes a line, then those where the opponent would). Facts about the board only,
-    never the choice: the env counts a model's think block right when it equals this."""
+    completes a line, then those where the opponent would); for 'none' nothing (the reply
+    is `<think></think><move>N</move>`). Facts about the board only, never the choice: the
+    env counts a model's think block right when it equals this."""
     if reasoning not in REASONING_FORMATS:
         raise ValueError(f"reasoning must be one of {REASONING_FORMATS}, got {reasoning!r}")
+    if reasoning == "none":
+        return ""
     text = f"Empty: {_cell_list(empty_cells(board))}."
     if reasoning == "threats":
         wins = _cell_list(winning_cells(board, mark))

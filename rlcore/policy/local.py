@@ -421,7 +421,7 @@ class LocalEngine(Policy):
             results[index] = Generation(
                 text=self.tokenizer.decode(completion_ids, skip_special_tokens=True),
                 finish_reason=finish_reason,
-                prompt_ids=list(request.prompt_ids),
+                prompt_ids=request.prompt_ids,
                 completion_ids=completion_ids,
                 logprobs=logprobs,
                 prompt_tokens=len(request.prompt_ids),

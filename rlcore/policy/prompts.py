@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
 
 # The normalizers and pre-tokenizers that treat each piece of a split text alike.
@@ -38,6 +39,9 @@ _PIECEWISE_PRE_TOKENIZERS = {
 }
 # Texts that the tokenizer must split the same whole or cut at an added token; a last
 # check of the tokenizer's behaviour on top of reading its configuration.
+# How far from a text's end the search for kept beginnings starts; earlier if none is there.
+SEARCH_WINDOW = 4096
+_NO_IDS = array("q")
 _PROBES = ("\n", "  x", "\n\nHello", " world", "é\u0301", "1234", "'s", "\t\n ")
 
 
@@ -111,7 +115,7 @@ class PrefixTokenizer:
         self.max_entries = max_entries
         self.max_chars = max_chars
         self.problem = prefix_reuse_problem(tokenizer)
-        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._entries: OrderedDict[str, array] = OrderedDict()
         self._chars = 0
         self._tails: dict[str, list[int]] = {}
         self._cuts = None
@@ -136,55 +140,69 @@ class PrefixTokenizer:
 
     def _encode_reusing(self, texts: list[str]) -> list[list[int]]:
         unique = list(dict.fromkeys(texts))
-        starts, heads = [], []
-        for text in unique:
-            start, head = self._longest_kept(text)
-            starts.append(start)
-            heads.append(head)
-        rests = self._tokenize([text[start:] for text, start in zip(unique, starts, strict=True)])
-        ids_by_text = {}
-        cuts = []
-        for text, head, rest in zip(unique, heads, rests, strict=True):
-            ids_by_text[text] = head + rest
-            cuts.append(self._last_cut(text))
-        missing = list(
-            {text[cut:] for text, cut in zip(unique, cuts, strict=True)} - self._tails.keys()
+        found = [self._longest_kept(text) for text in unique]
+        rests = self._tokenize(
+            [text[start:] for text, (start, _, _) in zip(unique, found, strict=True)]
         )
+        ids_by_text = {
+            text: head.tolist() + rest
+            for text, (_, head, _), rest in zip(unique, found, rests, strict=True)
+        }
+        tails = {text: text[cut:] for text, (_, _, cut) in zip(unique, found, strict=True) if cut}
+        missing = list(set(tails.values()) - self._tails.keys())
         for tail, tail_ids in zip(missing, self._tokenize(missing), strict=True):
             self._tails[tail] = tail_ids
-        for text, cut in zip(unique, cuts, strict=True):
-            if cut:
-                self._keep(text[:cut], ids_by_text[text], self._tails[text[cut:]])
+        for text, tail in tails.items():
+            self._keep(text[: len(text) - len(tail)], ids_by_text[text], self._tails[tail])
         if len(self._tails) > self.max_entries:
             self._tails.clear()
-        return [list(ids_by_text[text]) for text in texts]
+        # A text given twice gets its own copy of the ids the second time.
+        result, given = [], set()
+        for text in texts:
+            result.append(list(ids_by_text[text]) if text in given else ids_by_text[text])
+            given.add(text)
+        return result
 
-    def _last_cut(self, text: str) -> int:
-        """Where the last added token in `text` ends; 0 when it has none."""
-        cut = 0
-        for match in self._cuts.finditer(text):
-            cut = match.end()
-        return cut
+    def _cut_ends(self, text: str, start: int = 0) -> list[int]:
+        """Where the added tokens in `text` from `start` on end. Added tokens never overlap
+        (checked), so one found from any start is one the tokenizer finds."""
+        return [match.end() for match in self._cuts.finditer(text, start)]
 
-    def _longest_kept(self, text: str) -> tuple[int, list[int]]:
-        """(where the longest kept beginning of `text` ends, its ids); (0, []) if none."""
-        ends = [match.end() for match in self._cuts.finditer(text)]
+    def _longest_kept(self, text: str) -> tuple[int, array, int]:
+        """(where the longest kept beginning of `text` ends, its ids, where the last added
+        token in `text` ends); 0, no ids and 0 where there is none. The end of the text
+        is searched first: an earlier turn's prompt is most of a conversation."""
+        window = max(0, len(text) - SEARCH_WINDOW)
+        ends = self._cut_ends(text, window)
+        found = self._lookup(text, ends)
+        if found is None and window:
+            # An added token reaching into the window from before it ends before the first
+            # found in the window, never after.
+            first = ends[0] if ends else len(text) + 1
+            earlier = [end for end in self._cut_ends(text) if end < first]
+            found = self._lookup(text, earlier)
+            ends = ends or earlier
+        start, ids = found or (0, _NO_IDS)
+        return start, ids, ends[-1] if ends else 0
+
+    def _lookup(self, text: str, ends: list[int]) -> tuple[int, array] | None:
         for end in reversed(ends):
             ids = self._entries.get(text[:end])
             if ids is not None:
                 self._entries.move_to_end(text[:end])
                 self.reused_chars += end
                 return end, ids
-        return 0, []
+        return None
 
     def _keep(self, head: str, ids: list[int], tail_ids: list[int]) -> None:
         """Keep `head`'s ids: `ids` (the whole text's) less the ids of the text after it.
         Where those do not end `ids` the tokenizer broke the rule it was checked for, and
-        nothing is kept."""
+        nothing is kept. Kept as arrays: compact, and nothing for the garbage collector
+        to walk through."""
         size = len(ids) - len(tail_ids)
         if size < 0 or ids[size:] != tail_ids or head in self._entries:
             return
-        self._entries[head] = ids[:size]
+        self._entries[head] = array("q", ids[:size])
         self._chars += len(head)
         while len(self._entries) > self.max_entries or self._chars > self.max_chars:
             dropped, _ = self._entries.popitem(last=False)
