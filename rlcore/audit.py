@@ -155,7 +155,8 @@ async def run_audit(
     sink: EventSink | None = None,
 ) -> AuditReport:
     """The checklist on `num_examples` examples; `sink` hears progress, one player at a
-    time (the lab's audit page shows it live)."""
+    time (the lab's audit page shows it live), and a stop it asks for ends the audit after
+    the player in progress, with a warning that the report is partial."""
     sink = sink or NullSink()
     examples = env.examples(num_examples, seed=seed)
     bounds = env.rubric.reward_bounds()
@@ -185,6 +186,8 @@ async def run_audit(
     top = report.oracle_mean if report.oracle_mean is not None else floor + 1.0
 
     for name, factory in players.items():
+        if sink.should_stop():
+            break
         played = await _play(env, factory(), examples)
         sink.progress(len(report.exploits) + 1 + (oracle_factory is not None), total, name)
         mean = _mean(played)
@@ -201,6 +204,8 @@ async def run_audit(
 
     if oracle_factory is not None:
         for name, rewrite in variants.items():
+            if sink.should_stop():
+                break
             played = await _play(env, RewritingPolicy(oracle_factory(), rewrite, name), examples)
             sink.progress(total - len(variants) + len(report.variants) + 1, total, name)
             flips = [
@@ -222,6 +227,9 @@ async def run_audit(
         report.throughput = _throughput(env, oracle_rollouts, rollouts_per_step, step_seconds)
         if report.throughput.get("bounds_step"):
             report.warnings.append(report.throughput["note"])
+    if sink.should_stop():
+        checked = len(report.exploits) + len(report.variants) + (oracle_factory is not None)
+        report.warnings.append(f"stopped after {checked} of {total} players: a partial report")
     return report
 
 

@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from rlcore.events import RecordingSink
 from tests.lab_fixtures import wait_for_job
 from webapp.jobs.models import Job
+from workers.checklist import run_audit_job
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -110,3 +112,26 @@ def test_an_audit_body_that_is_not_a_json_object_is_refused(alice_client, ttt_co
         answer = alice_client.post(url, body, "application/json")
         assert answer.status_code == 400 and "body" in answer.json()["errors"], body
     assert not Job.objects.filter(kind="audit").exists()
+
+
+class StopAfter(RecordingSink):
+    """A sink whose job is cancelled once `players` players have been heard of."""
+
+    def __init__(self, players: int):
+        super().__init__()
+        self.players = players
+
+    def should_stop(self) -> bool:
+        return len(self.progress_events) > self.players
+
+
+def test_a_cancelled_audit_stops_between_players_with_a_partial_report(alice, ttt_config, tmp_path):
+    config = {"env": "tictactoe", "env_args": ttt_config.params, "num_examples": 2, "seed": 0,
+              "rollouts_per_step": 64, "step_seconds": None, "out_dir": str(tmp_path)}  # fmt: skip
+    job = Job.objects.create(owner=alice, kind="audit", env_config=ttt_config, config=config)
+    _, whole = run_audit_job(job, RecordingSink())
+    summary, partial = run_audit_job(job, StopAfter(players=2))
+    assert len(partial["audit"]["exploits"]) == 1 < len(whole["audit"]["exploits"])
+    assert partial["audit"]["variants"] == [] and not summary["passed"]
+    assert partial["audit"]["warnings"][-1].endswith("a partial report")
+    assert not any("partial" in warning for warning in whole["audit"]["warnings"])
