@@ -1,7 +1,8 @@
 """Prompts of growing conversations: text rendered only for the messages added since an
 earlier prompt, and ids reused from earlier prompts, are exactly the text and ids of
 rendering and tokenizing each prompt whole, on the shipped tokenizer and template, on
-templates that look beyond the message at hand, and in real rollouts of several envs."""
+templates that look beyond the message at hand, and in real rollouts of several envs;
+replies decoded in one batch are the replies decoded one by one."""
 
 import asyncio
 import random
@@ -198,3 +199,14 @@ def test_growing_conversations_render_as_whole_texts(default_tiny_model, templat
             assert renderer.render(chat, tools) == expected
     assert (renderer.reused_messages > 0) == (template == "shipped")
     assert len(renderer._texts) <= 50
+
+
+def test_replies_decoded_in_one_batch_are_decoded_one_by_one(default_tiny_model):
+    engine = LocalEngine(default_tiny_model, device="cpu", name="tiny")
+    assert engine._batch_decode
+    rng = random.Random(0)
+    vocabulary = len(engine.tokenizer)
+    replies = [[rng.randrange(vocabulary) for _ in range(rng.randint(0, 40))] for _ in range(200)]
+    completions = [(ids, [], "stop") for ids in replies]
+    expected = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in replies]
+    assert engine._decode_replies(completions) == expected

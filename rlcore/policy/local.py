@@ -88,6 +88,24 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[int, float], N
     return call
 
 
+def _plain_fast_decode(tokenizer) -> bool:
+    """Whether `tokenizer.decode(ids, skip_special_tokens=True)` is exactly its backend's
+    decode: a transformers fast tokenizer whose class keeps the stock decode and does not
+    clean up spaces afterwards."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: decode one by one, as before
+        return False
+    kind = type(tokenizer)
+    return (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
+
+
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; checks explicit names."""
     import torch
@@ -218,6 +236,7 @@ class LocalEngine(Policy):
         kept = max(8192, 4 * max_batch_size)
         self._renderer = PromptRenderer(self.tokenizer, max_entries=kept)
         self._prompt_tokenizer = PrefixTokenizer(self.tokenizer, max_entries=kept)
+        self._batch_decode = _plain_fast_decode(self.tokenizer)
         self._generation_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
@@ -413,13 +432,13 @@ class LocalEngine(Policy):
             self.batches_run += 1
             self.requests_served += len(requests)
             self.tokens_generated += sum(len(ids) for ids, _, _ in completions)
-        generations = iter(completions)
+        generations = iter(zip(completions, self._decode_replies(completions), strict=True))
         for index, request in enumerate(batch):
             if results[index] is not None:
                 continue
-            completion_ids, logprobs, finish_reason = next(generations)
+            (completion_ids, logprobs, finish_reason), text = next(generations)
             results[index] = Generation(
-                text=self.tokenizer.decode(completion_ids, skip_special_tokens=True),
+                text=text,
                 finish_reason=finish_reason,
                 prompt_ids=request.prompt_ids,
                 completion_ids=completion_ids,
@@ -428,6 +447,16 @@ class LocalEngine(Policy):
                 completion_tokens=len(completion_ids),
             )
         return results
+
+    def _decode_replies(self, completions) -> list[str]:
+        """Each completion's text, special tokens skipped: `tokenizer.decode` of each, in
+        one call to the fast tokenizer's batch decoder where decode does nothing more
+        (no space clean-up, no decode of the tokenizer's own), which skips transformers'
+        per-token type checks."""
+        ids = [completion_ids for completion_ids, _, _ in completions]
+        if self._batch_decode:
+            return self.tokenizer.backend_tokenizer.decode_batch(ids, skip_special_tokens=True)
+        return [self.tokenizer.decode(reply, skip_special_tokens=True) for reply in ids]
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         output = self.model(
