@@ -1,6 +1,7 @@
 """JSON endpoints: jobs (list, detail, create, cancel), metrics after a step cursor,
 rollouts (filtered, paged), log lines after an id, and the catch-up bundle a live page
-fetches on (re)connect.
+fetches on (re)connect; the verifier checklist: an env config's audit, flags on rollouts
+(add, remove, list per env config), the held-out delta.
 
 Session authentication (the pages' login); POSTs need the CSRF token header like any
 form. Errors are JSON: 401 without a login, 404 for a job that is not yours or does not

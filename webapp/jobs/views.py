@@ -37,6 +37,8 @@ from webapp.jobs.services import CONFIG_CLASSES
 from webapp.jobs.validation import ids_from
 
 ROLLOUTS_PER_PAGE = 50
+# Models a judged env config's page checks for the judge's family.
+MODELS_CHECKED = 200
 
 
 @login_required
@@ -182,9 +184,10 @@ def _judge_advice(user, env_name: str, config=None) -> dict | None:
         return None
     judge = services.judge_model_of(config) if config else ""
     family = services.model_family(judge) if judge else ""
+    # The newest models only: a family read from weights on disk costs a file each.
     same = [
         entry
-        for entry in selectors.models_for_user(user).filter(owner=user)
+        for entry in selectors.models_for_user(user).filter(owner=user)[:MODELS_CHECKED]
         if family and services.model_entry_family(entry) == family
     ]
     return {"model": judge, "family": family, "same_family": same}
