@@ -286,3 +286,22 @@ def test_an_sft_job_on_two_gpus_runs_data_parallel_in_the_worker(
     assert result["checkpoint"] == str(tmp_path / "job" / "final")
     assert (tmp_path / "job" / "ranks" / "rank_1.log").is_file()  # a second rank trained
     assert Metric.objects.filter(job=job, name="loss/sft").count() == 2
+
+
+def test_a_rank_that_fails_fails_the_run_with_the_end_of_its_log(tiny_model, tmp_path):
+    cfg = rl_config(tiny_model, tmp_path, "broken")
+    broken = cfg.to_dict() | {"model": str(tmp_path / "no-such-model")}
+
+    def main():
+        return current_ranks().share([], 1.0)  # waits for a follower that is gone
+
+    with pytest.raises(RuntimeError, match="rank 1 exited with 1") as failure:
+        launch(
+            main,
+            "rlcore.train.distributed:follow_rl",
+            broken,
+            processes=2,
+            backend="gloo",
+            log_dir=tmp_path / "ranks",
+        )
+    assert "cannot load model" in str(failure.value)
