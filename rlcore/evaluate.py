@@ -561,6 +561,8 @@ async def arun_eval(
     started_at = _now()
     cfg.check()
     env = build_env(cfg)
+    if cfg.out_dir:
+        env.output_dir = cfg.out_dir
     owns_policy = policy is None
     if policy is None:
         policy = load_policy(

@@ -159,6 +159,17 @@ def test_screenshots_are_kept_in_the_output_folder_and_named_in_the_state(env, e
     assert views[1]["images"] == shots
 
 
+def test_an_eval_keeps_the_screenshots_in_its_own_output_folder(tmp_path):
+    from rlcore.evaluate import EvalConfig, run_eval
+
+    out = tmp_path / "eval"
+    cfg = EvalConfig(model="oracle", env="browser", num_examples=1, out_dir=str(out))
+    (rollout,) = run_eval(cfg).rollouts
+    shots = rollout.state["screenshots"]
+    assert rollout.reward == 1.0 and shots
+    assert all((out / shot["path"]).is_file() for shot in shots)
+
+
 def test_no_screenshots_when_turned_off(examples, tmp_path):
     quiet = load_environment("browser", parallel_browsers=1, screenshots=False)
     (rollout,) = play(quiet, BrowserOraclePolicy(), [examples[2]], tmp_path)

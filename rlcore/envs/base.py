@@ -209,6 +209,10 @@ class Environment(ABC):
     # The lab recommends a judge of another family than the policy's, and sends a key only
     # to the endpoint staff declared it for. Empty if none.
     judge_params: ClassVar[dict[str, str]] = {}
+    # Where an env may keep files of its rollouts (the browser env's screenshots): the
+    # run's own directory, set by whoever runs it (eval, RL), so the inspector, which serves
+    # files of a job's directory only, can show them. None: the env's own default.
+    output_dir: str | None = None
 
     def __init__(self, **params: Any):
         self.config = validate_params(self.params, params)

@@ -387,9 +387,8 @@ class BrowserEnv(MultiTurnEnv):
 
     def __init__(self, **params):
         super().__init__(**params)
-        # Where screenshots go: the run's directory, which the caller sets (an env knows no
-        # run); None keeps them under $RLCORE_HOME/browser.
-        self.output_dir: str | None = None
+        # Screenshots go under `output_dir` (the run's directory, which eval and RL set);
+        # None keeps them under $RLCORE_HOME/browser.
         self._episodes: dict[str, Episode] = {}
 
     def build_parser(self) -> XMLParser:

@@ -424,6 +424,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
 
     # Environment, policy model, optional frozen reference, optimizer, example stream.
     env = load_environment(cfg.env, **cfg.env_args)
+    env.output_dir = str(output_dir)
     if cfg.turn_reward_weight > 0 and type(env).turn_rewards is Environment.turn_rewards:
         raise ValueError(
             f"turn_reward_weight={cfg.turn_reward_weight} needs an env with per-turn rewards; "
