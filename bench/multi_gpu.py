@@ -54,6 +54,11 @@ import torch  # noqa: E402
 from benchlib import write_results  # noqa: E402
 
 MODES = ("single", "split", "parallel")
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 NO_TWO_GPUS = 2
 
 
@@ -344,7 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
             )
             sys.exit(NO_TWO_GPUS)
         device = "cuda"
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on lent machines
+        # No NVLink multicast: on the lent machines it can take shared GPUs out of service.
+        for name, value in MULTICAST_OFF.items():
+            os.environ.setdefault(name, value)
         cards = [torch.cuda.get_device_name(i) for i in range(count)]
     else:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
