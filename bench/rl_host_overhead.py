@@ -2,6 +2,7 @@
 left of a step's time on the CPU when the GPU costs nothing.
 
     python bench/rl_host_overhead.py [--games 1024] [--repeats 3] [--before DIR]
+        [--gc-threshold N]
 
 It runs the real code path of `bench/tictactoe_rl_step.py`'s step (the tic-tac-toe env
 with the recipe's settings, `run_rollouts`, the local engine with the tiny model's
@@ -19,7 +20,9 @@ cProfile (both the event loop's thread and the engine's) and is split into parts
 `--before DIR` the same measurement runs, interleaved step by step, on the code in DIR
 (a `git worktree` of an earlier commit) in a child process, and the table puts the two
 side by side; each side prints a digest of every prompt, reply and training sequence,
-which must be equal. Writes bench/results/rl_host_overhead.json.
+which must be equal. `--gc-threshold` sets the garbage collector's first threshold on
+both sides: a step keeps millions of token ids in lists, which every full collection
+walks. Writes bench/results/rl_host_overhead.json.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ REPLY_TOKENS = 64
 PARTS = (
     ("render prompts", (("local.py:render_prompt",),)),
     ("tokenize prompts", (("prompts.py:encode", "tokenization_utils_base.py:__call__"),)),
-    ("decode replies", (("tokenization_utils_base.py:decode",),)),
+    ("decode replies", (("local.py:_decode_replies", "tokenization_utils_base.py:decode"),)),
     ("env turns", (("tictactoe.py:env_response",), ("tictactoe.py:is_completed",))),
     ("score rollouts", (("base.py:score",), ("base.py:rollout_facts",))),
     ("advantages", (("grpo.py:step_advantages",),)),
@@ -108,6 +111,7 @@ class Harness:
             None, model=model, tokenizer=tokenizer, name="policy", max_batch_size=games
         )
         self.stand_in_seconds = 0.0
+        self.stand_in_cpu_seconds = 0.0
         self.gc_seconds = 0.0
         gc_started = [0.0]
 
@@ -120,11 +124,12 @@ class Harness:
         gc.callbacks.append(time_gc)
 
         def timed_sample(requests):
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             try:
                 return stand_in_sample(requests)
             finally:
                 self.stand_in_seconds += time.perf_counter() - started
+                self.stand_in_cpu_seconds += time.process_time() - started_cpu
 
         self.engine._sample = timed_sample
         self.sampler = StratifiedSampler(self.env, self.cfg.seed, games // 8)
@@ -153,7 +158,8 @@ class Harness:
         cfg = self.cfg
         sampling = SamplingParams(temperature=0.7, max_tokens=REPLY_TOKENS)
         stand_in, gc_seconds = self.stand_in_seconds, self.gc_seconds
-        started = time.perf_counter()
+        stand_in_cpu = self.stand_in_cpu_seconds
+        started, started_cpu = time.perf_counter(), time.process_time()
         rollouts = self.loop.run_until_complete(
             run_rollouts(
                 self.env,
@@ -171,7 +177,7 @@ class Harness:
             sequences += training_sequences(rollout, advantages, cfg.loss.aggregation)
         loss_normalizer(sequences, cfg.loss, REPLY_TOKENS)
         micro_batches([s for s in sequences if any(s.advantages)], 128)
-        scored = time.perf_counter()
+        scored, scored_cpu = time.perf_counter(), time.process_time()
         digest = hashlib.sha256()
         for rollout in rollouts:
             digest.update(json.dumps([rollout.messages, rollout.reward, rollout.facts]).encode())
@@ -194,6 +200,9 @@ class Harness:
             "scoring": scored - rolled,
         }
         seconds["host"] = seconds["rollout"] + seconds["scoring"]
+        # CPU seconds of the process (all its threads): what other processes' load on the
+        # same cores disturbs least.
+        seconds["host cpu"] = scored_cpu - started_cpu - (self.stand_in_cpu_seconds - stand_in_cpu)
         seconds["of which gc"] = self.gc_seconds - gc_seconds
         counts = {
             "prompts": sum(len(r.turns) for r in rollouts),
@@ -238,14 +247,14 @@ def child(games: int) -> None:
 class Side:
     """The code under test, here or in a child process running another checkout."""
 
-    def __init__(self, games: int, code: Path | None):
+    def __init__(self, games: int, code: Path | None, extra_args: list[str]):
         self.code = code
         if code is None:
             self.harness = Harness(games)
             return
         env = os.environ | {"PYTHONPATH": str(code)}
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--child", "--games", str(games)],
+            [sys.executable, __file__, "--child", "--games", str(games), *extra_args],
             cwd=code,
             env=env,
             stdin=subprocess.PIPE,
@@ -274,15 +283,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--games", type=int, default=1024, help="games per step")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per side")
     parser.add_argument("--before", default=None, help="a checkout of the code to compare with")
+    parser.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=None,
+        help="the garbage collector's first threshold, both sides (Python's default: 700)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
+    extra_args = []
+    if args.gc_threshold is not None:
+        # Fewer young collections, and far fewer full ones (each walks every live list).
+        gc.set_threshold(args.gc_threshold, 50, 100)
+        extra_args = ["--gc-threshold", str(args.gc_threshold)]
     if args.child:
         child(args.games)
         return {}
-    sides = {"after": Side(args.games, None)}
+    sides = {"after": Side(args.games, None, extra_args)}
     if args.before:
-        sides = {"before": Side(args.games, Path(args.before).resolve())} | sides
+        sides = {"before": Side(args.games, Path(args.before).resolve(), extra_args)} | sides
     steps: dict[str, list[dict]] = {name: [] for name in sides}
     digests: dict[str, list[str]] = {name: [] for name in sides}
     parts: dict[str, dict] = {}
@@ -294,7 +314,11 @@ def main(argv: list[str] | None = None) -> dict:
                 answer = side.ask("step")
                 steps[name].append(answer["seconds"])
                 digests[name].append(answer["digest"])
-                print(f"  {name} step {repeat + 1}: host {answer['seconds']['host']:.2f} s")
+                seconds = answer["seconds"]
+                print(
+                    f"  {name} step {repeat + 1}: host {seconds['host']:.2f} s, "
+                    f"cpu {seconds['host cpu']:.2f} s"
+                )
         for name, side in sides.items():
             parts[name] = side.ask("profile")["parts"]
     finally:
@@ -310,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "scoring",
                 "host",
                 "of which gc",
+                "host cpu",
                 "prompts",
                 "sequences",
                 "prompt_tokens",
@@ -317,9 +342,10 @@ def main(argv: list[str] | None = None) -> dict:
         }
     print(f"\nhost seconds of a {args.games}-game tic-tac-toe RL step, model work excluded")
     print(f"medians of {args.repeats} steps; parts from one profiled step (cProfile, slower)")
+    print(f"garbage collector threshold: {gc.get_threshold()[0]}")
     names = list(sides)
     print(f"{'':<34}" + "".join(f"{name:>12}" for name in names))
-    for key in ("rollout", "scoring", "host", "of which gc"):
+    for key in ("rollout", "scoring", "host", "of which gc", "host cpu"):
         print(f"{key + ' s':<34}" + "".join(f"{summaries[n][key]:>12.3f}" for n in names))
     for part, _ in PARTS:
         print(
@@ -337,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
         "games": args.games,
         "repeats": args.repeats,
         "before": args.before,
+        "gc_threshold": args.gc_threshold,
         "summaries": summaries,
         "steps": steps,
         "profiled_parts": parts,
