@@ -5,6 +5,8 @@ trainer's weights."""
 import asyncio
 import json
 import random
+import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from rlcore.policy.local import LocalEngine
 from rlcore.train.common import load_model_and_tokenizer
 from rlcore.train.config import ConfigError, RLConfig, SFTConfig, build_config
 from rlcore.train.distributed import (
+    RankFailed,
     copy_weights,
     current_ranks,
     data_parallel_processes,
@@ -295,7 +298,7 @@ def test_a_rank_that_fails_fails_the_run_with_the_end_of_its_log(tiny_model, tmp
     def main():
         return current_ranks().share([], 1.0)  # waits for a follower that is gone
 
-    with pytest.raises(RuntimeError, match="rank 1 exited with 1") as failure:
+    with pytest.raises(RankFailed, match="rank 1 exited with 1") as failure:
         launch(
             main,
             "rlcore.train.distributed:follow_rl",
@@ -305,3 +308,18 @@ def test_a_rank_that_fails_fails_the_run_with_the_end_of_its_log(tiny_model, tmp
             log_dir=tmp_path / "ranks",
         )
     assert "cannot load model" in str(failure.value)
+
+
+def test_a_rank_that_cannot_start_fails_the_run_at_once(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the follower exits at once
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 exited with 1"):
+        launch(
+            lambda: None,
+            "rlcore.train.distributed:follow_rl",
+            {},
+            processes=2,
+            backend="gloo",
+            log_dir=tmp_path / "ranks",
+        )
+    assert time.monotonic() - started < 30  # not the collective timeout (30 minutes)

@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -261,19 +262,42 @@ def current_ranks() -> Ranks:
     return _current
 
 
-def init_ranks(rank: int, world_size: int, backend: str, address: str, timeout_s: float) -> Ranks:
-    """Join the process group at `address` (host:port) as `rank` of `world_size`."""
+class RankFailed(RuntimeError):
+    """A follower rank exited with an error; the message ends with its log."""
+
+
+def init_ranks(
+    rank: int,
+    world_size: int,
+    backend: str,
+    address: str,
+    timeout_s: float,
+    check_followers: Callable[[], None] = lambda: None,
+) -> Ranks:
+    """Join the process group at `address` (host:port) as `rank` of `world_size`. Rank 0
+    holds the rendezvous and waits for every follower to check in, calling
+    `check_followers` meanwhile (it raises RankFailed for one that died on its way), so a
+    follower that cannot start fails the run at once, not after `timeout_s`."""
     global _current
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{address}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+    host, port = address.rsplit(":", 1)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        host, int(port), world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
+    if rank == 0:
+        arrivals = [f"joined/{follower}" for follower in range(1, world_size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(arrivals):
+            check_followers()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every rank joined rank 0 at {address} in {timeout_s:g} s")
+            time.sleep(0.1)
+    else:
+        store.set(f"joined/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     control = (
         dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         if backend != "gloo"
@@ -354,13 +378,19 @@ def launch(
                 log,
             )
         )
+
+    def check_followers() -> None:
+        if failed := _failed_children(children, wait_s=0):
+            raise RankFailed(f"data-parallel run: {failed}")
+
     try:
-        init_ranks(0, processes, backend, address, timeout_s)
+        init_ranks(0, processes, backend, address, timeout_s, check_followers)
         result = main()
+    except RankFailed:
+        raise
     except BaseException as exc:
-        failed = _failed_children(children, wait_s=2)
-        if failed:
-            raise RuntimeError(f"data-parallel run failed on rank 0 ({exc}); {failed}") from exc
+        if failed := _failed_children(children, wait_s=2):
+            raise RankFailed(f"data-parallel run failed on rank 0 ({exc}); {failed}") from exc
         raise
     finally:
         close_ranks()
@@ -372,8 +402,7 @@ def launch(
                 child.wait()
         for _, _, log in children:
             log.close()
-    if failed := _failed_children(children, wait_s=0):
-        raise RuntimeError(f"data-parallel run: {failed}")
+    check_followers()
     return result
 
 
