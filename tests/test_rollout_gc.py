@@ -1,0 +1,63 @@
+"""While rollouts run the garbage collector runs less often, and its setting comes back
+when the last of overlapping runs ends; the rollouts themselves are the same."""
+
+import asyncio
+import gc
+
+import pytest
+
+from rlcore.envs.registry import load_environment
+from rlcore.policy.base import ConstantPolicy
+from rlcore.rollout import ROLLOUT_GC_THRESHOLD, run_rollouts
+from rlcore.types import SamplingParams
+
+SAMPLING = SamplingParams(max_tokens=8)
+
+
+class ThresholdWatcher(ConstantPolicy):
+    """Plays a constant move, noting the collector's first threshold at every reply."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    async def generate(self, messages, sampling, *, tools=None, state=None):
+        self.seen.add(gc.get_threshold()[0])
+        await asyncio.sleep(0)
+        return await super().generate(messages, sampling, tools=tools, state=state)
+
+
+@pytest.fixture
+def default_threshold():
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    yield
+    gc.set_threshold(*saved)
+
+
+def play(env, policy, runs: int):
+    examples = [env.make_example(index, 0) for index in range(4)]
+
+    async def overlapping():
+        return await asyncio.gather(
+            *(run_rollouts(env, policy, examples, sampling=SAMPLING) for _ in range(runs))
+        )
+
+    return asyncio.run(overlapping())
+
+
+def test_overlapping_runs_collect_less_and_restore_the_setting(default_threshold):
+    env = load_environment("tictactoe")
+    watcher = ThresholdWatcher()
+    results = play(env, watcher, runs=3)
+    assert watcher.seen == {ROLLOUT_GC_THRESHOLD}
+    assert gc.get_threshold() == (700, 10, 10)
+    assert len({repr([r.messages for r in rollouts]) for rollouts in results}) == 1
+
+
+def test_a_disabled_threshold_stays_disabled(default_threshold):
+    gc.set_threshold(0)
+    watcher = ThresholdWatcher()
+    play(load_environment("tictactoe"), watcher, runs=1)
+    assert watcher.seen == {0}
+    assert gc.get_threshold()[0] == 0
