@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import secrets
 import signal
 import socket
@@ -376,11 +377,17 @@ async def metric_bursts(
 
 
 async def game_player(
-    lab: Lab, player: str, until: float, moves: Measure, games: list, max_moves: int = 10**9
+    lab: Lab,
+    player: str,
+    until: float,
+    moves: Measure,
+    games: list,
+    max_moves: int = 10**9,
+    posts: Measure | None = None,
 ) -> None:
     """Play games against `player` until `until` (or `max_moves` answers): each time the
     model is to answer, the latency runs from the cell's POST to the socket's word that
-    the model has moved."""
+    the model has moved; `posts` gets the POST's own part (until its answer)."""
     try:
         while time.time() < until and len(moves.seconds) < max_moves:
             response = await lab.client.post(
@@ -416,6 +423,8 @@ async def game_player(
                     if response.status_code != 200:
                         moves.errors.append(f"move: HTTP {response.status_code}")
                         return
+                    if posts is not None:
+                        posts.seconds.append(time.monotonic() - sent)
                     game = response.json()
                     if game["status"] != "model_turn":
                         break  # the person's move ended the game
@@ -482,6 +491,7 @@ async def run_loads(lab: Lab, args, ids: dict, info: dict) -> dict:
             "metric GET",
             "metric GET, If-None-Match",
             "move latency",
+            "move POST",
         )
     }
     await log_in(lab, connections=2 * args.gets + args.games + 20)
@@ -515,7 +525,10 @@ async def run_loads(lab: Lab, args, ids: dict, info: dict) -> dict:
             metric_bursts(lab, ids["finished_job"], args.gets, args.burst_every, until, measures)
         )
     tasks += [
-        game_player(lab, player, until, measures["move latency"], games) for _ in range(args.games)
+        game_player(
+            lab, player, until, measures["move latency"], games, posts=measures["move POST"]
+        )
+        for _ in range(args.games)
     ]
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.duration + 120)
@@ -624,6 +637,19 @@ def main(argv: list[str] | None = None) -> dict:
             )
             if args.keep_log:
                 Path(args.keep_log).write_text(logs)
+            # The inference worker's own time per move (Celery logs each task's duration).
+            tasks = Measure()
+            inference_log = Path(var_dir) / "worker-inference.log"
+            if inference_log.exists():
+                tasks.seconds = [
+                    float(seconds)
+                    for seconds in re.findall(
+                        r"play_model_move\[[^\]]*\] succeeded in ([0-9.]+)s",
+                        inference_log.read_text(errors="replace"),
+                    )
+                ]
+    if tasks.seconds:
+        results["move task (worker)"] = tasks.summary()
     web_workers = logs.count("Started server process")
     print(
         f"lab via scripts/run.sh on {machine()['cores']} cores "
