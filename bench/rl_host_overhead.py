@@ -140,7 +140,10 @@ class Harness:
         def profiled_run_batch(batch):
             if self.worker_profile is None:
                 return run_batch(batch)
-            self.worker_profile.enable()
+            try:
+                self.worker_profile.enable()
+            except ValueError:  # Python 3.12+: one profiler sees every thread already
+                return run_batch(batch)
             try:
                 return run_batch(batch)
             finally:
@@ -220,7 +223,9 @@ class Harness:
         finally:
             main.disable()
         stats = pstats.Stats(main)
-        stats.add(self.worker_profile)
+        self.worker_profile.create_stats()
+        if self.worker_profile.stats:  # empty where the loop's profiler saw every thread
+            stats.add(self.worker_profile)
         self.worker_profile = None
         cumulative: dict[str, float] = {}
         for (filename, _, function), (_, _, _, seconds, _) in stats.stats.items():
