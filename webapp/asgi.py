@@ -21,7 +21,6 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from webapp.jobs.routing import websocket_urlpatterns  # noqa: E402
-from webapp.limits import ConcurrencyLimit  # noqa: E402
 
 websocket_routes = list(websocket_urlpatterns)
 if settings.PLAY_ENABLED and importlib.util.find_spec("webapp.play.routing") is not None:
@@ -29,13 +28,7 @@ if settings.PLAY_ENABLED and importlib.util.find_spec("webapp.play.routing") is 
 
 application = ProtocolTypeRouter(
     {
-        # Bulk reads (metric series, rollout pages, CSV exports) go into Django a few at a
-        # time, so a burst of them never queues a Play move or a page (webapp/limits.py).
-        "http": ConcurrencyLimit(
-            ASGIStaticFilesHandler(django_asgi_app),
-            pattern=settings.BULK_READ_PATHS,
-            limit=settings.BULK_READ_CONCURRENCY,
-        ),
+        "http": ASGIStaticFilesHandler(django_asgi_app),
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_routes))),
     }
 )

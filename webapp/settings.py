@@ -9,9 +9,6 @@ Environment variables (all optional):
   DB_POOL_MAX_SIZE  PostgreSQL connections pooled per web process (default 0: no pool;
                  make run sets 8 for the web server; never for Celery workers, whose forked
                  pool processes must not inherit pooled connections)
-  BULK_READ_CONCURRENCY  bulk reads (metric series, rollout pages, CSV exports) let into
-                 Django at once per web process; the rest wait their turn without holding a
-                 thread (default 4; keep it under DB_POOL_MAX_SIZE)
   REDIS_URL      Celery broker + result backend and the Channels layer;
                  default redis://127.0.0.1:6379/0
   RLLAB_VAR_DIR  where the lab keeps its files; default ./var
@@ -49,7 +46,6 @@ from pathlib import Path
 
 import dj_database_url
 import plotly
-from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -170,16 +166,6 @@ elif int(os.environ.get("DB_POOL_MAX_SIZE", "0")) > 0:
         "max_size": int(os.environ.get("DB_POOL_MAX_SIZE", "0")),
         "timeout": 30,
     }
-# Bulk reads (metric series, rollout pages, CSV exports, a live page's catch-up) enter
-# Django at most this many at once per web process; the rest wait on the event loop, so a
-# burst of them never makes a Play move or a page wait for a thread's turn or a database
-# connection (webapp/limits.py). Keep it under DB_POOL_MAX_SIZE.
-BULK_READ_CONCURRENCY = int(os.environ.get("BULK_READ_CONCURRENCY", "4"))
-if BULK_READ_CONCURRENCY < 1:
-    raise ImproperlyConfigured(
-        f"BULK_READ_CONCURRENCY must be at least 1, got {BULK_READ_CONCURRENCY}"
-    )
-BULK_READ_PATHS = r"^/api/jobs/\d+/(metrics/|metrics\.csv|rollouts/$|updates/)"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
