@@ -242,6 +242,17 @@ def test_tree_advantages_compare_each_move_with_the_others_tried_in_its_position
     assert [a[0] for a in tree_advantages(single, 4)] == pytest.approx(grpo.tolist())
 
 
+def test_a_rollout_whose_first_turn_failed_gets_no_advantages_and_spoils_no_others():
+    # Its first turn failed (an engine error, a context overflow): no turns, nothing to
+    # credit; the group's other rollouts are compared among themselves as before.
+    group = [rollout(1.0, [1]), rollout(0.0, [1]), rollout_of([], reward=0.0)]
+    advantages = tree_advantages(group, group_size=3)
+    assert advantages[2] == []
+    # The failed rollout reached no position, so the root's value is the other two's mean.
+    assert advantages[0] == pytest.approx([1.0 - 0.5])
+    assert advantages[1] == pytest.approx([0.0 - 0.5])
+
+
 def test_tree_advantages_refuse_partial_groups():
     with pytest.raises(ValueError, match="3 rollouts do not split into groups of 2"):
         tree_advantages([rollout(0.0, [1])] * 3, group_size=2)

@@ -59,7 +59,8 @@ def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float
         paths = []
         for index, rollout in enumerate(group):
             states = [("state", position(turn)) for turn in rollout.turns]
-            children = states[1:] + [("end", index)]
+            # A rollout with no turns (its first turn failed) has no moves to credit.
+            children = states[1:] + [("end", index)] if states else []
             paths.append(list(zip(states, children, strict=True)))
             for node in set(states) | set(children):
                 total = totals.setdefault(node, [0.0, 0])
