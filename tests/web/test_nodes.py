@@ -61,6 +61,17 @@ def test_a_gpu_job_no_live_node_can_serve_is_refused_naming_gpus(alice, ttt_conf
     )
 
 
+def test_a_split_rl_job_on_one_gpu_is_refused_naming_placement(alice, ttt_config, tiny):
+    announce_node("gpu@two", queues=("gpu",), gpus=(80, 80))
+    errors = refusal(alice, ttt_config, tiny, gpus=1, placement="split")
+    assert "set gpus to 2, or placement to colocated" in errors["placement"][0]
+    errors = refusal(alice, ttt_config, tiny, device="cuda", placement="split")
+    assert "placement" in errors
+    assert create(alice, ttt_config, tiny, gpus=2, placement="split").config["placement"] == "split"
+    # On the CPU both sides share it: nothing to refuse.
+    assert create(alice, ttt_config, tiny, device="cpu", placement="split").queue == "cpu"
+
+
 def test_a_gpu_job_goes_to_a_queue_whose_every_live_node_can_serve_it(alice, ttt_config, tiny):
     announce_node("gpu@small", queues=("gpu",), gpus=(24,))
     announce_node("gpu@big", queues=("gpu", "gpu-large"), gpus=(80, 80))

@@ -45,7 +45,7 @@ from webapp.jobs.models import (
     Rollout,
     RolloutFlag,
 )
-from webapp.jobs.nodes import NEEDS_KEYS, JobNeeds, needs_resolve, queue_for_needs
+from webapp.jobs.nodes import NEEDS_KEYS, JobNeeds, gpus_needed, needs_resolve, queue_for_needs
 from webapp.jobs.validation import json_loads, json_value, refuse_secret
 
 RECIPE_DIR = settings.BASE_DIR / "recipes" / "tictactoe_tiny"
@@ -525,6 +525,7 @@ def job_create(
         options=options,
         overrides=overrides,
     )
+    _check_placement(kind, config, needs)
     if parent_checkpoint is None and model.kind == ModelEntry.Kind.CHECKPOINT:
         parent_checkpoint = model.checkpoint
     return _job_insert(
@@ -536,6 +537,20 @@ def job_create(
         model=model,
         parent_checkpoint=parent_checkpoint,
     )
+
+
+def _check_placement(kind: str, config: dict, needs: JobNeeds) -> None:
+    """An RL job that splits generation from training needs two GPUs (or none: on the
+    CPU both sides share it); on one GPU it could only fail when it starts."""
+    if kind != "rl" or config.get("placement") != "split":
+        return
+    if gpus_needed(needs, config.get("device", "auto"))[0] == 1:
+        raise ValidationError(
+            {
+                "placement": "split runs generation on one GPU and training on another: "
+                "set gpus to 2, or placement to colocated"
+            }
+        )
 
 
 def _job_needs(job: Job) -> JobNeeds:
