@@ -39,6 +39,7 @@ from typing import Any
 
 from rlcore.policy.base import Policy, PolicyError, StopRequested
 from rlcore.policy.local import LocalEngine
+from rlcore.policy.prompts import PromptRenderer
 from rlcore.types import Generation, Message, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,11 @@ class VLLMEngine(Policy):
     # generation prompt), so both engines condition on identical ids.
     render_prompt = LocalEngine.render_prompt
     encode_prompt = LocalEngine.encode_prompt
+
+    @functools.cached_property
+    def _renderer(self) -> PromptRenderer:
+        """The local engine's renderer of conversations (render_prompt reads it)."""
+        return PromptRenderer(self.tokenizer, max_entries=8192)
 
     def __init__(
         self,

@@ -383,9 +383,11 @@ def launch(
         if failed := _failed_children(children, wait_s=0):
             raise RankFailed(f"data-parallel run: {failed}")
 
+    finished = False
     try:
         init_ranks(0, processes, backend, address, timeout_s, check_followers)
         result = main()
+        finished = True
     except RankFailed:
         raise
     except BaseException as exc:
@@ -393,13 +395,20 @@ def launch(
             raise RankFailed(f"data-parallel run failed on rank 0 ({exc}); {failed}") from exc
         raise
     finally:
-        close_ranks()
+        # A finished run lets the followers leave first: rank 0 holds the rendezvous store,
+        # and a follower still tearing down its group when the store goes away aborts
+        # ("terminate called without an active exception"). After a failure rank 0 closes
+        # first, so followers blocked in a collective fail at once.
+        if not finished:
+            close_ranks()
         for _, child, _ in children:
             try:
                 child.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        if finished:
+            close_ranks()
         for _, _, log in children:
             log.close()
     check_followers()
@@ -415,7 +424,8 @@ def _failed_children(children, wait_s: float) -> str:
         except subprocess.TimeoutExpired:
             continue
         if code:
-            log.flush()
+            if not log.closed:
+                log.flush()
             tail = Path(log.name).read_text(errors="replace")[-2000:]
             reports.append(f"rank {rank} exited with {code} ({log.name}):\n{tail}")
     return "\n".join(reports)
