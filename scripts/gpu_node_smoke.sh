@@ -42,13 +42,13 @@ ensure_redis "$REDIS_URL"
 "$PY" -c "from rlcore.policy.tiny import ensure_tiny_model; print('tiny model:', ensure_tiny_model())"
 
 node="gpu-smoke@$(hostname)"
-env DB_POOL_MAX_SIZE=0 .venv/bin/celery -A workers worker -Q gpu,inference -c 1 -n "$node" \
+env DB_POOL_MAX_SIZE=0 "$PY" -m celery -A workers worker -Q gpu,inference -c 1 -n "$node" \
   -l INFO >>"$RLLAB_VAR_DIR/worker-gpu.log" 2>&1 &
 worker=$!
 trap 'kill -TERM $worker 2>/dev/null; wait $worker 2>/dev/null || true' EXIT
 
-"$PY" - "$node" "$SMOKE_STEPS" <<'PYEOF'
-import sys, time, django
+"$PY" - "$node" "$SMOKE_STEPS" "$worker" "$RLLAB_VAR_DIR/worker-gpu.log" <<'PYEOF'
+import os, sys, time, django
 
 django.setup()
 from django.contrib.auth import get_user_model
@@ -57,7 +57,7 @@ from webapp.jobs.models import Job, Metric, Rollout, WorkerNode
 from webapp.play import services as play
 from webapp.play.models import Game
 
-node_name, steps = sys.argv[1], int(sys.argv[2])
+node_name, steps, worker_pid, worker_log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
 
 def check(ok, what):
@@ -66,9 +66,20 @@ def check(ok, what):
         sys.exit(1)
 
 
+def worker_alive():
+    try:
+        with open(f"/proc/{worker_pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait(predicate, seconds, what):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if not worker_alive():
+            tail = open(worker_log, errors="replace").read()[-3000:]
+            check(False, f"{what}: the worker exited; the end of {worker_log}:\n{tail}")
         value = predicate()
         if value:
             return value
@@ -101,7 +112,8 @@ checkpoint = job.current_checkpoints().order_by("-step").first()
 check(checkpoint is not None, f"checkpoint {checkpoint and checkpoint.path}")
 game = play.game_create(owner=owner, player_key=f"model-{checkpoint.model_entry.pk}", human_mark="O", human_starts=False)
 game = wait(lambda: Game.objects.exclude(status=Game.Status.MODEL_TURN).filter(pk=game.pk).first(), 300, "the checkpoint played its first move")
-check(game.status != "model_failed", f"play: game #{game.pk} {game.status} after the checkpoint's move")
+check(game.status != "model_failed", f"play: game #{game.pk} {game.status} {game.outcome} after the checkpoint's move, "
+      f"{len(game.replies)} replies, the first {str(game.replies[:1])[:160]}")
 if "vllm" in node.engines:
     job = services.job_create(owner=owner, kind="eval", env_config=env, model=checkpoint.model_entry,
                               options={"gpus": 1, "engine": "vllm", "num_examples": 32})

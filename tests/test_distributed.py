@@ -236,12 +236,13 @@ def test_the_generation_copy_follows_the_trainer_in_place(tiny_model):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    assert reply(engine) == before  # the copy is the model before the step
+    # The copy is the model before the step (a second pass may sum in another order).
+    assert reply(engine) == pytest.approx(before, abs=1e-5)
     copy_weights(model, copy)
 
     assert [p.data_ptr() for p in copy.parameters()] == addresses
     after = reply(engine)
-    assert after != before
+    assert after != pytest.approx(before, abs=1e-3)
     assert after == pytest.approx(reply(LocalEngine(None, model=model, tokenizer=tokenizer)))
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -54,10 +55,13 @@ import torch.distributed as dist
 
 # How long a rank waits in one collective: followers wait through rank 0's rollouts.
 TIMEOUT_S = float(os.environ.get("RLCORE_DIST_TIMEOUT_S", "1800"))
+# How long rank 0 waits for a follower to exit after the run.
+TEARDOWN_S = 30
 # Gradients are summed in flat buckets of about this many bytes.
 BUCKET_BYTES = 64 << 20
 ROOT = Path(__file__).resolve().parents[2]
 ResultT = TypeVar("ResultT")
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,6 +302,8 @@ def init_ranks(
     else:
         store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    global _store
+    _store = store
     control = (
         dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         if backend != "gloo"
@@ -307,11 +313,24 @@ def init_ranks(
     return _current
 
 
-def close_ranks() -> None:
+_store: Any = None  # rank 0's rendezvous store, kept until the followers have left
+
+
+def close_ranks(*, keep_store: bool = False) -> None:
+    """Leave the process group. Rank 0 passes `keep_store` while followers may still be
+    tearing down theirs (their teardown talks to the store it hosts) and drops the store
+    with `release_store()` once they have exited."""
     global _current
     if dist.is_initialized():
         dist.destroy_process_group()
     _current = Ranks()
+    if not keep_store:
+        release_store()
+
+
+def release_store() -> None:
+    global _store
+    _store = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -395,22 +414,39 @@ def launch(
             raise RankFailed(f"data-parallel run failed on rank 0 ({exc}); {failed}") from exc
         raise
     finally:
-        # A finished run lets the followers leave first: rank 0 holds the rendezvous store,
-        # and a follower still tearing down its group when the store goes away aborts
-        # ("terminate called without an active exception"). After a failure rank 0 closes
-        # first, so followers blocked in a collective fail at once.
-        if not finished:
-            close_ranks()
-        for _, child, _ in children:
+        # Rank 0 hosts the rendezvous store and keeps it until the followers have exited:
+        # a follower still tearing down its group when the store goes away aborts
+        # ("terminate called without an active exception"). On gloo a finished run lets
+        # the followers leave their group first (rank 0 closing its pairs under a
+        # follower's teardown aborts it too); NCCL's teardown waits for the peers, so
+        # there every rank leaves together (a follower left to tear down alone hung until
+        # it was killed). After a failure rank 0 leaves first, so followers blocked in a
+        # collective fail at once.
+        together = backend == "nccl" or not finished
+        if together:
+            close_ranks(keep_store=True)
+        stuck = []
+        for rank, child, _ in children:
             try:
-                child.wait(timeout=60)
+                child.wait(timeout=TEARDOWN_S)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        if finished:
-            close_ranks()
+                stuck.append(rank)
+        if not together:
+            close_ranks(keep_store=True)
+        release_store()
         for _, _, log in children:
             log.close()
+    if stuck:
+        # The run's work is done and rank 0 holds its result: a follower that hung on its
+        # way out is killed and named, not a failed run.
+        logger.warning(
+            "data-parallel run: rank(s) %s did not exit %d s after the run ended; killed",
+            ", ".join(map(str, stuck)),
+            TEARDOWN_S,
+        )
+        children = [c for c in children if c[0] not in stuck]
     check_followers()
     return result
 
