@@ -7,6 +7,7 @@
 # inference queue), and, where vLLM is installed, that an eval on the vllm engine ran.
 #
 #   scripts/gpu_node_smoke.sh            # everything under var/gpu-smoke, SQLite
+#   SMOKE_GPUS=2 scripts/gpu_node_smoke.sh   # the RL job data-parallel over two GPUs
 #   DATABASE_URL=postgres://... REDIS_URL=redis://... scripts/gpu_node_smoke.sh
 #
 # Redis: one answering at REDIS_URL, else redis-server from PATH, else from the Debian
@@ -22,6 +23,7 @@ export DJANGO_SETTINGS_MODULE=webapp.settings
 export PY=${PY:-.venv/bin/python}
 REDIS_DEBS=${REDIS_DEBS:-shared/debs}
 SMOKE_STEPS=${SMOKE_STEPS:-3}
+SMOKE_GPUS=${SMOKE_GPUS:-1}  # 2 or more: the RL job runs data-parallel over that many GPUs
 mkdir -p "$RLLAB_VAR_DIR"
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible to torch: this is the GPU node smoke test')"
@@ -47,7 +49,7 @@ env DB_POOL_MAX_SIZE=0 "$PY" -m celery -A workers worker -Q gpu,inference -c 1 -
 worker=$!
 trap 'kill -TERM $worker 2>/dev/null; wait $worker 2>/dev/null || true' EXIT
 
-"$PY" - "$node" "$SMOKE_STEPS" "$worker" "$RLLAB_VAR_DIR/worker-gpu.log" <<'PYEOF'
+"$PY" - "$node" "$SMOKE_STEPS" "$SMOKE_GPUS" "$worker" "$RLLAB_VAR_DIR/worker-gpu.log" <<'PYEOF'
 import os, sys, time, django
 
 django.setup()
@@ -57,7 +59,8 @@ from webapp.jobs.models import Job, Metric, Rollout, WorkerNode
 from webapp.play import services as play
 from webapp.play.models import Game
 
-node_name, steps, worker_pid, worker_log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+node_name, steps, gpus = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+worker_pid, worker_log = int(sys.argv[4]), sys.argv[5]
 
 
 def check(ok, what):
@@ -95,14 +98,17 @@ tiny = services.model_create(owner=owner, name=f"tiny-{time.time():.0f}", kind="
 started = time.monotonic()
 job = services.job_create(
     owner=owner, kind="rl", env_config=env, model=tiny,
-    options={"gpus": 1, "device": "cuda", "max_steps": steps, "batch_size": 64,
+    options={"gpus": gpus, "device": "cuda", "max_steps": steps, "batch_size": 64,
              "rollouts_per_example": 8, "save_every": 0},
 )
 check(job.queue == "gpu", f"rl job #{job.pk} queued on {job.queue}")
 wait(lambda: Job.objects.get(pk=job.pk).status in Job.TERMINAL, 1800, f"rl job #{job.pk} ended")
 job.refresh_from_db()
 check(job.status == "succeeded", f"rl job #{job.pk} {job.status} in {time.monotonic() - started:.0f} s {job.error}")
-check(job.worker == node_name, f"ran on {job.worker} ({', '.join(g['name'] for g in node.gpus)}), engine {job.engine_used}")
+first = job.log_lines.first().message
+parallel = gpus < 2 or f"{gpus} data-parallel ranks" in first
+check(job.worker == node_name and "training on cuda" in first and parallel,
+      f"ran on {job.worker}, engine {job.engine_used}: {first!r}")
 metrics, rollouts = Metric.objects.filter(job=job).count(), Rollout.objects.filter(job=job).count()
 check(metrics > 0 and rollouts > 0, f"{metrics} metric points, {rollouts} rollouts stored")
 for name in ("perf/step_seconds", "reward/mean"):

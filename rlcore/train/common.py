@@ -36,6 +36,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def describe_device(device: torch.device) -> str:
+    """`cuda:0 (NVIDIA H200)` or `cpu`: what a run's log says it trains on."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return str(device)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -59,6 +59,7 @@ from rlcore.train.common import (
     changed_settings,
     checkpoint_dir,
     clip_gradients,
+    describe_device,
     load_model_and_tokenizer,
     load_trainer_state,
     model_path,
@@ -460,7 +461,14 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         sink.log(f"rl: resumed from {cfg.resume_from} at step {start_step}")
     sink.log(
         f"rl: {cfg.loss.type} on {env.name}, {sampler.examples_per_step} examples x "
-        f"{cfg.rollouts_per_example} rollouts per step, steps {start_step + 1}..{cfg.max_steps}"
+        f"{cfg.rollouts_per_example} rollouts per step, steps {start_step + 1}..{cfg.max_steps}, "
+        f"training on {describe_device(device)}"
+        + (
+            f", generating on {describe_device(generation_device)}"
+            if cfg.placement == "split"
+            else ""
+        )
+        + (f", {ranks.world_size} data-parallel ranks" if ranks.parallel else "")
     )
 
     def checkpoint(step: int, path: Path, start: tuple[dict, dict] | None = None) -> str:

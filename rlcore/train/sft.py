@@ -33,6 +33,7 @@ from rlcore.train.common import (
     build_optimizer,
     checkpoint_dir,
     clip_gradients,
+    describe_device,
     load_model_and_tokenizer,
     pad_batch,
     resolve_device,
@@ -201,7 +202,9 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         )
     sink.log(
         f"sft: {len(examples)} conversations from {cfg.dataset} ({truncated} truncated to "
-        f"{cfg.max_seq_len} tokens, {dropped} dropped with no assistant token left)"
+        f"{cfg.max_seq_len} tokens, {dropped} dropped with no assistant token left), training on "
+        f"{describe_device(device)}"
+        + (f", {ranks.world_size} data-parallel ranks" if ranks.parallel else "")
     )
 
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)

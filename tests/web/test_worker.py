@@ -98,7 +98,10 @@ def test_a_few_rl_steps_of_the_tiny_model(alice, alice_client, ttt_config, tiny,
     )
     assert job.result["checkpoint"] in set(checkpoints.values_list("path", flat=True))
     lines = logged(alice_client, job)
-    assert re.match(r"rl: \w+ on tictactoe, 2 examples x 2 rollouts per step, steps 1..2", lines[0])
+    assert re.fullmatch(
+        r"rl: \w+ on tictactoe, 2 examples x 2 rollouts per step, steps 1..2, training on cpu",
+        lines[0],
+    )
     assert lines[-1] == f"rl: final checkpoint {job.result['checkpoint']}"
     batch_steps = [b["last_step"] for b in updates(messages) if b["metrics"]]
     assert 1 in batch_steps and 2 in batch_steps
@@ -175,7 +178,9 @@ def test_synth_then_sft_on_the_worker(alice, alice_client, ttt_config, tiny, cel
     assert sft.status == "succeeded", sft.error
     assert Metric.objects.filter(job=sft, name__startswith="loss/").exists()
     lines = logged(alice_client, sft)
-    assert re.match(r"sft: \d+ conversations from .*dataset.jsonl", lines[0])
+    assert re.fullmatch(
+        r"sft: \d+ conversations from .*dataset.jsonl .*, training on cpu", lines[0]
+    )
     assert lines[-1] == f"sft: final checkpoint {sft.result['checkpoint']}"
     final = ModelEntry.objects.get(checkpoint__job=sft, checkpoint__path=sft.result["checkpoint"])
     assert final.kind == "checkpoint" and final.owner == alice
