@@ -115,6 +115,24 @@ for name in ("perf/step_seconds", "reward/mean"):
     values = list(Metric.objects.filter(job=job, name=name).order_by("step").values_list("value", flat=True))
     print(f"     {name}: {values}")
 checkpoint = job.current_checkpoints().order_by("-step").first()
+if gpus >= 2:
+    # SFT data-parallel too: a small dataset of the random player's games, then SFT on it.
+    player = services.model_create(owner=owner, name=f"random-{time.time():.0f}", kind="builtin", location="random")
+    synth = services.job_create(owner=owner, kind="synth", env_config=env, model=player,
+                                options={"gpus": 1, "device": "cuda", "num_examples": 64, "max_kept": 32,
+                                         "exclude_outcomes": ["loss"]})
+    wait(lambda: Job.objects.get(pk=synth.pk).status in Job.TERMINAL, 600, f"synth #{synth.pk} ended")
+    synth.refresh_from_db()
+    check(synth.status == "succeeded", f"synth #{synth.pk} {synth.status}: {synth.result and synth.result.get('kept')} games kept {synth.error}")
+    sft = services.job_create(owner=owner, kind="sft", env_config=None, model=tiny,
+                              options={"gpus": gpus, "device": "cuda", "dataset": synth.result["path"],
+                                       "max_steps": 4, "batch_size": 8, "micro_batch_size": 2})
+    wait(lambda: Job.objects.get(pk=sft.pk).status in Job.TERMINAL, 600, f"sft #{sft.pk} ended")
+    sft.refresh_from_db()
+    losses = list(Metric.objects.filter(job=sft, name="loss/sft").order_by("step").values_list("value", flat=True))
+    first = sft.log_lines.first().message
+    check(sft.status == "succeeded" and f"{gpus} data-parallel ranks" in first and len(losses) == 4,
+          f"sft #{sft.pk} {sft.status} {sft.error}: {first!r}; loss/sft {[round(v, 3) for v in losses]}")
 check(checkpoint is not None, f"checkpoint {checkpoint and checkpoint.path}")
 game = play.game_create(owner=owner, player_key=f"model-{checkpoint.model_entry.pk}", human_mark="O", human_starts=False)
 game = wait(lambda: Game.objects.exclude(status=Game.Status.MODEL_TURN).filter(pk=game.pk).first(), 300, "the checkpoint played its first move")
