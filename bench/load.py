@@ -113,10 +113,15 @@ class Measure:
 
     seconds: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # Events still waited for when the run ended: how long each had waited by then (not
+    # errors, not latencies; a long one would show a stall the percentiles miss).
+    cut_off: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
         values = sorted(self.seconds)
         out: dict = {"count": len(values), "errors": len(self.errors)}
+        if self.cut_off:
+            out |= {"cut_off": len(self.cut_off), "cut_off_waited_max": max(self.cut_off)}
         if values:
             out |= {
                 "p50": statistics.median(values),
@@ -430,7 +435,7 @@ async def game_player(
                         break  # the person's move ended the game
                     answered = await wait_for_model(ws, until)
                     if answered is None:
-                        moves.errors.append("no answer before the run ended")
+                        moves.cut_off.append(time.monotonic() - sent)
                         return
                     moves.seconds.append(time.monotonic() - sent)
                     # The message carries the game (older versions of the lab: read it).
@@ -571,6 +576,11 @@ def print_table(results: dict) -> None:
         print(f"{name:<28}{row['count']:>7}{cells}{row['errors']:>8}")
         for example in row.get("error_examples", []):
             print(f"    error: {example}")
+        if row.get("cut_off"):
+            print(
+                f"    {row['cut_off']} still waited for when the run ended, the longest "
+                f"for {row['cut_off_waited_max']:.3f} s"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict:
