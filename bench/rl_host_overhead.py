@@ -154,6 +154,7 @@ class Harness:
     def step(self) -> tuple[dict, str]:
         """Seconds of the step's parts, and the digest of everything it produced."""
         from rlcore.rollout import run_rollouts
+        from rlcore.train import grpo
         from rlcore.train.grpo import loss_normalizer, step_advantages
         from rlcore.train.sequences import micro_batches, training_sequences
         from rlcore.types import SamplingParams
@@ -174,11 +175,14 @@ class Harness:
             )
         )
         rolled = time.perf_counter()
-        turn_advantages, _ = step_advantages(self.env, rollouts, cfg)
-        sequences = []
-        for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
-            sequences += training_sequences(rollout, advantages, cfg.loss.aggregation)
-        loss_normalizer(sequences, cfg.loss, REPLY_TOKENS)
+        if hasattr(grpo, "step_sequences"):  # the trainer's own steps 3-4 (eleventh session)
+            sequences, _, _ = grpo.step_sequences(self.env, rollouts, cfg, None, {})
+        else:  # the code before it, inline as the trainer had it
+            turn_advantages, _ = step_advantages(self.env, rollouts, cfg)
+            sequences = []
+            for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
+                sequences += training_sequences(rollout, advantages, cfg.loss.aggregation)
+            loss_normalizer(sequences, cfg.loss, REPLY_TOKENS)
         micro_batches([s for s in sequences if any(s.advantages)], 128)
         scored, scored_cpu = time.perf_counter(), time.process_time()
         digest = hashlib.sha256()

@@ -55,7 +55,8 @@ class _FewerCollections:
                 gc.set_threshold(*self._saved)
 
 
-_fewer_collections = _FewerCollections(ROLLOUT_GC_THRESHOLD)
+# Rollouts, and the trainer's building of a step's sequences from them, run inside this.
+fewer_collections = _FewerCollections(ROLLOUT_GC_THRESHOLD)
 
 
 class _StoppablePolicy(Policy):
@@ -136,6 +137,6 @@ async def run_rollouts(
         return result
 
     tasks = [one(ex) for ex in examples for _ in range(rollouts_per_example)]
-    with _fewer_collections:
+    with fewer_collections:
         results = await asyncio.gather(*tasks)
     return [result for result in results if result is not None]

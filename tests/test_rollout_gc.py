@@ -61,3 +61,26 @@ def test_a_disabled_threshold_stays_disabled(default_threshold):
     play(load_environment("tictactoe"), watcher, runs=1)
     assert watcher.seen == {0}
     assert gc.get_threshold()[0] == 0
+
+
+def test_a_steps_sequences_are_built_collecting_less_too(default_threshold, monkeypatch):
+    from rlcore.train import grpo
+    from rlcore.train.config import RLConfig, build_config
+
+    env = load_environment("tictactoe")
+    examples = [env.make_example(index, 0) for index in range(4)]
+    rollouts = asyncio.run(
+        run_rollouts(env, ConstantPolicy(), examples, sampling=SAMPLING, rollouts_per_example=2)
+    )
+    cfg = build_config(RLConfig, [("test", {"env": "tictactoe", "rollouts_per_example": 2})])
+    seen = []
+
+    def watched(*args, **kwargs):
+        seen.append(gc.get_threshold()[0])
+        return built(*args, **kwargs)
+
+    built = grpo.training_sequences
+    monkeypatch.setattr(grpo, "training_sequences", watched)
+    grpo.step_sequences(env, rollouts, cfg, None, {})
+    assert len(rollouts) == 8 and seen == [ROLLOUT_GC_THRESHOLD] * 8
+    assert gc.get_threshold() == (700, 10, 10)

@@ -45,7 +45,7 @@ from rlcore.envs.registry import load_environment
 from rlcore.evaluate import summarize, summary_metrics
 from rlcore.events import EventSink, NullSink
 from rlcore.policy.vllm_engine import rollout_engine, sync_weights
-from rlcore.rollout import run_rollouts
+from rlcore.rollout import fewer_collections, run_rollouts
 from rlcore.train.advantages import (
     add_turn_advantages,
     group_advantages,
@@ -93,6 +93,27 @@ RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "de
 
 # ---------------------------------------------------------------------------------------
 # Advantages and the loss
+
+
+def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces):
+    """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the advantage
+    metrics). 3: advantages from the rubric's rewards (and the env's per-move verdicts).
+    4: training sequences, the sampled token ids, each token weighed in the loss. With the
+    collector's first threshold raised, as for the rollouts: a large step's millions of
+    token ids in lists made it collect over and over (bench/rl_host_overhead.py)."""
+    aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
+    with fewer_collections:
+        turn_advantages, advantage_metrics = step_advantages(env, rollouts, cfg)
+        sequences = []
+        for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
+            thinks = (
+                None
+                if cfg.loss.train_think
+                else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
+            )
+            sequences += training_sequences(rollout, advantages, aggregation, thinks)
+        normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
+    return sequences, normalizer, advantage_metrics
 
 
 def step_advantages(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
@@ -469,7 +490,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         top_p=cfg.sampling.top_p,
         max_tokens=cfg.sampling.max_tokens,
     )
-    aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     start_step, last_saved = 0, cfg.resume_from
     if state is not None:
         if changed := changed_settings(cfg.resume_from, cfg, RESUMABLE_CHANGES):
@@ -553,19 +573,10 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             rollout_seconds = time.monotonic() - step_started
             train_started = time.monotonic()
 
-            # 3. Advantages from the rubric's rewards (and the env's per-move verdicts).
-            turn_advantages, advantage_metrics = step_advantages(env, rollouts, cfg)
-
-            # 4. Training sequences: the sampled token ids, each token weighed in the loss.
-            sequences = []
-            for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
-                thinks = (
-                    None
-                    if cfg.loss.train_think
-                    else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
-                )
-                sequences += training_sequences(rollout, advantages, aggregation, thinks)
-            normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
+            # 3-4. Advantages, and the training sequences they weigh.
+            sequences, normalizer, advantage_metrics = step_sequences(
+                env, rollouts, cfg, tokenizer, pieces
+            )
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
             #    then the updates (each rank on its share in a data-parallel run); a stop
