@@ -18,7 +18,8 @@ import torch
 
 from rlcore.types import Rollout
 
-# Training batches on a GPU are padded to a multiple of this many tokens (see `collate`).
+# Training batches on a GPU are padded to a multiple of this many tokens (see `pack`):
+# every new batch shape pays once for its kernels' set-up (attention plans, allocator blocks).
 GPU_WIDTH_STEP = 64
 
 
