@@ -153,3 +153,6 @@ def test_place_and_take_are_inverse():
     for value, back in zip(values, batch.take(placed), strict=True):
         assert torch.equal(value, back)
     assert int((placed != 0).sum()) == sum(v.numel() for v in values)
+    flags = [float(index % 2) for index in range(len(batch.sequences))]
+    for flag, back in zip(flags, batch.take(batch.spread(flags)), strict=True):
+        assert back.numel() > 0 and (back == flag).all()

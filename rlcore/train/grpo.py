@@ -306,9 +306,7 @@ def sampling_stats(batch: PackedBatch, old, entropy) -> dict[str, torch.Tensor]:
     sampled = batch.place(
         [(s.sampled_logprobs or [0.0] * len(s.input_ids))[1:] for s in batch.sequences]
     )
-    has_sampled = batch.place(
-        [[float(s.sampled_logprobs is not None)] * (len(s.input_ids) - 1) for s in batch.sequences]
-    )
+    has_sampled = batch.spread([float(s.sampled_logprobs is not None) for s in batch.sequences])
     compared = mask & (has_sampled > 0)
     return {
         "entropy": (entropy.detach() * mask).sum(),

@@ -193,6 +193,12 @@ class PackedBatch:
         out[self.target_index] = to_device(flat, out.device)
         return out.view(rows, width)
 
+    def spread(self, values: list[float]) -> torch.Tensor:
+        """One value per sequence over all of its targets, as `place` puts them."""
+        lengths = torch.tensor(self.target_lengths)
+        flat = torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), lengths)
+        return self.place([flat])
+
     def take(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Each sequence's own targets out of a [rows, width - 1] tensor."""
         return list(tensor.reshape(-1)[self.target_index].split(self.target_lengths))
