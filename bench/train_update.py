@@ -2,16 +2,13 @@
 what the training step costs on a device once rollouts are done.
 
     python bench/train_update.py [--device auto] [--sequences 384] [--micro-batch-size 128]
-        [--share-rows off|on|both]
 
 Synthetic all-trained sequences of 150-650 tokens (a 100-token prompt, the rest trained,
 advantage +-1) on the built-in tiny model, the trainer's settings otherwise. Batch A is
 updated on three times, then batches B, C, D with new random lengths, then D again: on a
 GPU the first sight of a batch shape pays its kernels' set-up, so "again" rows show the
 steady cost and "new" rows what a real step (new lengths every time) pays. The first A
-also pays the process's CUDA set-up. Prints one line per update. `--share-rows on` packs
-several sequences into each row of a micro-batch (`Learner.share_rows`); `both` runs the
-schedule padded, then packed, each from the same fresh model, and prints them side by side.
+also pays the process's CUDA set-up. Prints one line per update.
 """
 
 from __future__ import annotations
@@ -60,7 +57,6 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float]]:
     parser.add_argument("--sequences", type=int, default=384)
     parser.add_argument("--micro-batch-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--share-rows", choices=["off", "on", "both"], default="off")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -75,35 +71,24 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float]]:
             ["model=tiny", "env=tictactoe", f"micro_batch_size={args.micro_batch_size}",
              f"output_dir={output_dir}", f"device={name}"],
         )  # fmt: skip
+    model, tokenizer = load_model_and_tokenizer(cfg.model, device)
+    model.eval()
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer, len(SCHEDULE))
+    learner = Learner(
+        model, None, optimizer, scheduler, tokenizer.pad_token_id, device, lambda: False
+    )
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.share_rows]
     timings = []
-    for share_rows in modes:
-        model, tokenizer = load_model_and_tokenizer(cfg.model, device)
-        model.eval()
-        optimizer, scheduler = build_optimizer(model, cfg.optimizer, len(SCHEDULE))
-        learner = Learner(
-            model, None, optimizer, scheduler, tokenizer.pad_token_id, device, lambda: False
-        )
-        learner.share_rows = share_rows
-        layout = "packed" if share_rows else "padded"
-        for label, seed in SCHEDULE:
-            batch = synthetic_batch(seed, args.sequences, len(tokenizer) - 1)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            update_policy(learner, batch, normalizer=1000.0, cfg=cfg)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            timings.append((f"{layout} {label}", time.perf_counter() - started))
-            print(f"{card}  {layout}  {label:<8} {timings[-1][1]:.3f} s", flush=True)
-    if len(modes) == 2:
-        print(f"\n{'batch':<10}{'padded s':>10}{'packed s':>10}{'packed/padded':>15}")
-        half = len(SCHEDULE)
-        for (label, _), (_, padded), (_, packed) in zip(
-            SCHEDULE, timings[:half], timings[half:], strict=True
-        ):
-            print(f"{label:<10}{padded:>10.3f}{packed:>10.3f}{packed / padded:>14.2f}x")
+    for label, seed in SCHEDULE:
+        batch = synthetic_batch(seed, args.sequences, len(tokenizer) - 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        update_policy(learner, batch, normalizer=1000.0, cfg=cfg)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        timings.append((label, time.perf_counter() - started))
+        print(f"{card}  {label:<8} {timings[-1][1]:.3f} s", flush=True)
     return timings
 
 

@@ -426,8 +426,8 @@ def thinking_model(tiny_model, tmp_path_factory) -> str:
 def test_train_think_off_leaves_the_think_block_out_of_the_gradient(thinking_model, tmp_path):
     """On and off on the same real replies: with train_think off the policy loss has no
     gradient on any think-block token and the same gradient on the rest."""
-    from rlcore.train.grpo import packed_logprobs, policy_loss
-    from rlcore.train.sequences import pack
+    from rlcore.train.grpo import policy_loss, token_logprobs
+    from rlcore.train.sequences import collate
 
     _, rollouts = tictactoe_step(thinking_model, tmp_path, env_args={"max_turns": 1},
                                  max_tokens=40, log_rollouts=16)  # fmt: skip
@@ -448,12 +448,13 @@ def test_train_think_off_leaves_the_think_block_out_of_the_gradient(thinking_mod
                 else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
             )
             sequences += training_sequences(rollout, [1.0] * len(rollout.turns), "token", thinks)
-        (batch,) = pack(sequences, len(sequences), tokenizer.pad_token_id, "cpu")
-        logprobs, _ = packed_logprobs(model, batch, 1.0)
+        input_ids, attention, weights, advantages = collate(
+            sequences, tokenizer.pad_token_id, "cpu"
+        )
+        logprobs, _ = token_logprobs(model, input_ids, attention, 1.0)
         logprobs = logprobs.detach().requires_grad_(True)
-        weights = batch.weights
         loss, _ = policy_loss(
-            logprobs, logprobs.detach(), None, batch.advantages, weights, LossConfig(), 1.0
+            logprobs, logprobs.detach(), None, advantages, weights, LossConfig(), 1.0
         )
         loss.backward()
         return logprobs.grad, weights

@@ -545,11 +545,21 @@ def _follower_main(argv: list[str]) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    init_ranks(rank, world_size, os.environ["RLCORE_DIST_BACKEND"], address, TIMEOUT_S)
+    backend = os.environ["RLCORE_DIST_BACKEND"]
+    init_ranks(rank, world_size, backend, address, TIMEOUT_S)
     try:
         getattr(__import__(module, fromlist=[function]), function)(payload)
-    finally:
+    except BaseException:
         close_ranks()
+        raise
+    if backend == "gloo":
+        # Done: leave without gloo's teardown, whose threads now and then abort a finished
+        # follower ("terminate called without an active exception", exit -6, seen in
+        # tests/test_distributed.py); the process's end frees what the group held.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    close_ranks()  # NCCL: every rank leaves together (see `launch`)
 
 
 if __name__ == "__main__":

@@ -79,10 +79,13 @@ from rlcore.train.distributed import (
 )
 from rlcore.train.sampling import StratifiedSampler, rollout_sample
 from rlcore.train.sequences import (
-    PackedBatch,
     TrainingSequence,
-    pack,
+    collate,
+    micro_batches,
+    padded,
+    target_rows,
     think_length,
+    to_device,
     training_sequences,
 )
 from rlcore.types import Rollout, SamplingParams
@@ -212,15 +215,11 @@ def policy_loss(
     return total, stats
 
 
-def token_logprobs(
-    model, input_ids, attention_mask, temperature: float, with_entropy=False, position_ids=None
-):
+def token_logprobs(model, input_ids, attention_mask, temperature: float, with_entropy=False):
     """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
     (the distribution the engine sampled from), and optionally its entropy. Gathering
     minus logsumexp avoids a second vocabulary-sized tensor for the log-softmax."""
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-    ).logits[:, :-1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     logits = logits.float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_normalizer
@@ -228,19 +227,6 @@ def token_logprobs(
     if with_entropy:
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logprobs, entropy
-
-
-def packed_logprobs(model, batch: PackedBatch, temperature: float, with_entropy=False):
-    """`token_logprobs` of a micro-batch from `pack`: each sequence at its own positions,
-    seeing only itself."""
-    return token_logprobs(
-        model,
-        batch.input_ids,
-        batch.attention_mask(model),
-        temperature,
-        with_entropy,
-        position_ids=batch.position_ids if batch.shared else None,
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,10 +244,6 @@ class Learner:
     pad_id: int
     device: torch.device
     should_stop: Callable[[], bool]
-    # Pack several sequences into each row of a micro-batch (sequences.pack). Off: on the
-    # CPU it measured slower (docs/BENCHMARKS.md, "Token packing"); on a GPU it is not
-    # measured yet (bench/train_update.py and bench/tictactoe_rl_step.py --share-rows).
-    share_rows: bool = False
 
 
 class StepStopped(Exception):
@@ -299,15 +281,16 @@ class StepSums:
         return Counter(dict(zip(keys, values.tolist(), strict=True)))
 
 
-def sampling_stats(batch: PackedBatch, old, entropy) -> dict[str, torch.Tensor]:
+def sampling_stats(chunk, old, entropy, weights) -> dict[str, torch.Tensor]:
     """Entropy of the trained tokens and their gap to the logprobs the engine sampled with
-    (sequences without sampled logprobs, e.g. from an endpoint, count for entropy only)."""
-    mask = batch.weights > 0
-    sampled = batch.place(
-        [(s.sampled_logprobs or [0.0] * len(s.input_ids))[1:] for s in batch.sequences]
+    (rows without sampled logprobs, e.g. from an endpoint, count for entropy only)."""
+    mask = weights > 0
+    sampled_at = [s.sampled_logprobs or [0.0] * len(s.input_ids) for s in chunk]
+    sampled = target_rows(sampled_at, old.shape[1], old.device)
+    has_sampled = to_device(
+        torch.tensor([s.sampled_logprobs is not None for s in chunk]), old.device
     )
-    has_sampled = batch.spread([float(s.sampled_logprobs is not None) for s in batch.sequences])
-    compared = mask & (has_sampled > 0)
+    compared = mask & has_sampled[:, None]
     return {
         "entropy": (entropy.detach() * mask).sum(),
         "entropy_tokens": mask.sum().float(),
@@ -328,24 +311,25 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     """Fill each sequence's old (and reference) logprobs with one no-grad pass; they stay
     on the device, where the updates read them."""
     sums = StepSums(learner.device)
-    batches = pack(
-        sequences, cfg.micro_batch_size, learner.pad_id, learner.device, learner.share_rows
-    )
+    chunks = micro_batches(sequences, cfg.micro_batch_size)
     temperature = cfg.sampling.temperature
-    for index, batch in enumerate(batches):
+    for index, chunk in enumerate(chunks):
         if learner.should_stop():
-            raise StepStopped(f"scoring: micro-batch {index + 1} of {len(batches)} not run", 0)
+            raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run", 0)
+        input_ids, attention_mask, weights, _ = collate(chunk, learner.pad_id, learner.device)
         with autocast(learner.device):
-            old, entropy = packed_logprobs(learner.model, batch, temperature, True)
+            old, entropy = token_logprobs(
+                learner.model, input_ids, attention_mask, temperature, True
+            )
             ref = None
             if learner.reference is not None:
-                ref, _ = packed_logprobs(learner.reference, batch, temperature)
-        sums.add(sampling_stats(batch, old, entropy))
-        for sequence, logprobs in zip(batch.sequences, batch.take(old), strict=True):
-            sequence.old_logprobs = logprobs
-        if ref is not None:
-            for sequence, logprobs in zip(batch.sequences, batch.take(ref), strict=True):
-                sequence.ref_logprobs = logprobs
+                ref, _ = token_logprobs(learner.reference, input_ids, attention_mask, temperature)
+        sums.add(sampling_stats(chunk, old, entropy, weights))
+        for row, sequence in enumerate(chunk):
+            length = len(sequence.input_ids) - 1
+            sequence.old_logprobs = old[row, :length]
+            if ref is not None:
+                sequence.ref_logprobs = ref[row, :length]
     return _sampling_metrics(sums.to_host())
 
 
@@ -364,30 +348,29 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     # this very pass (ratio exactly 1), with entropy and mismatch measured here.
     single_pass = cfg.num_iterations == 1 and not with_reference
     sums = StepSums(learner.device)
-    batches = pack(
-        trainable, cfg.micro_batch_size, learner.pad_id, learner.device, learner.share_rows
-    )
+    chunks = micro_batches(trainable, cfg.micro_batch_size)
+    batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     for iteration in range(cfg.num_iterations):
-        for index, batch in enumerate(batches):
+        for index, (chunk, batch) in enumerate(zip(chunks, batches, strict=True)):
             if learner.should_stop():
                 where = (
                     f"update {iteration + 1} of {cfg.num_iterations}: micro-batch {index + 1} "
-                    f"of {len(batches)} not run"
+                    f"of {len(chunks)} not run"
                 )
                 raise StepStopped(where, iteration)
+            input_ids, attention_mask, weights, advantages = batch
             with autocast(learner.device):
-                logprobs, entropy = packed_logprobs(
-                    learner.model, batch, cfg.sampling.temperature, single_pass
+                logprobs, entropy = token_logprobs(
+                    learner.model, input_ids, attention_mask, cfg.sampling.temperature, single_pass
                 )
+            width, device = weights.shape[1], learner.device
             if single_pass:
                 old = logprobs.detach()
-                sums.add(sampling_stats(batch, old, entropy))
+                sums.add(sampling_stats(chunk, old, entropy, weights))
             else:
-                old = batch.place([s.old_logprobs for s in batch.sequences])
-            ref = batch.place([s.ref_logprobs for s in batch.sequences]) if with_reference else None
-            loss, stats = policy_loss(
-                logprobs, old, ref, batch.advantages, batch.weights, cfg.loss, normalizer
-            )
+                old = padded([s.old_logprobs for s in chunk], width, device)
+            ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
+            loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
             loss.backward()
             sums.add(stats)
         current_ranks().sum_gradients(learner.model)  # data-parallel: every rank's share

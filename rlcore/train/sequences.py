@@ -11,15 +11,14 @@ from which the mask, the normalizer and the KL term all follow.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
 
+from rlcore.train.common import pad_batch
 from rlcore.types import Rollout
 
-# Training batches on a GPU are padded to a multiple of this many tokens (see `pack`):
-# every new batch shape pays once for its kernels' set-up (attention plans, allocator blocks).
+# Training batches on a GPU are padded to a multiple of this many tokens (see `collate`).
 GPU_WIDTH_STEP = 64
 
 
@@ -165,151 +164,30 @@ def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[Tra
     return [ordered[start : start + size] for start in range(0, len(ordered), size)]
 
 
-@dataclass
-class PackedBatch:
-    """A micro-batch of training sequences laid out in rows. Packed (`shared`), a row holds
-    several sequences end to end, each attending only to itself (a block-causal mask) at
-    positions counted from 0, and ends with a padding block; otherwise each row is one
-    sequence, right-padded. Per-target tensors ([rows, width - 1], target t predicts token
-    t + 1) hold each sequence's values at its own place and 0 elsewhere: no loss ever
-    crosses from one sequence into the next."""
-
-    shared: bool
-    sequences: list[TrainingSequence]
-    input_ids: torch.Tensor  # [rows, width]
-    position_ids: torch.Tensor  # [rows, width]
-    segments: torch.Tensor  # [rows, width]: which block of its row a token belongs to
-    weights: torch.Tensor  # [rows, width - 1]
-    advantages: torch.Tensor  # [rows, width - 1]
-    target_index: torch.Tensor  # flat target positions, sequence after sequence
-    target_lengths: list[int]  # targets per sequence (its length - 1)
-
-    def place(self, values: list) -> torch.Tensor:
-        """Per-sequence target values (lists or tensors of length - 1 each) at their places
-        in a [rows, width - 1] tensor on the batch's device, 0 elsewhere."""
-        flat = torch.cat([torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in values])
-        rows, width = self.weights.shape
-        out = torch.zeros(rows * width, dtype=torch.float32, device=self.target_index.device)
-        out[self.target_index] = to_device(flat, out.device)
-        return out.view(rows, width)
-
-    def spread(self, values: list[float]) -> torch.Tensor:
-        """One value per sequence over all of its targets, as `place` puts them."""
-        lengths = torch.tensor(self.target_lengths)
-        flat = torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), lengths)
-        return self.place([flat])
-
-    def take(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Each sequence's own targets out of a [rows, width - 1] tensor."""
-        return list(tensor.reshape(-1)[self.target_index].split(self.target_lengths))
-
-    def attention_mask(self, model) -> torch.Tensor:
-        """Unpacked rows: the padding mask ([rows, width], 1 on tokens). Packed: the
-        block-causal mask in the form the model's attention takes, boolean (True: attend)
-        for SDPA, additive (0 or the dtype's minimum) otherwise."""
-        if not self.shared:
-            return (self.segments == 0).long()
-        width = self.segments.shape[1]
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.segments.device).tril()
-        allowed = (self.segments[:, None, :, None] == self.segments[:, None, None, :]) & causal
-        if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
-            return allowed
-        dtype = next(model.parameters()).dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
-        )
-
-
-def pack(
-    sequences: list[TrainingSequence],
-    rows_per_batch: int,
-    pad_id: int,
-    device,
-    share_rows: bool = False,
-) -> list[PackedBatch]:
-    """`sequences` in micro-batches of `rows_per_batch` rows. Each sequence is a row of its
-    own, rows sorted by length so little goes to padding; with `share_rows` they are
-    packed into rows as wide as the longest of them (best fit, longest first): a pass
-    holds no more tokens than a padded batch of that many sequences at its widest, every
-    pass has the same shape, and a step whose lengths differ takes fewer passes (on a GPU
-    each pays its kernel launches; on the CPU, where a pass costs what its tokens cost,
-    the block mask only adds work). On a GPU widths are rounded up to a multiple of
-    GPU_WIDTH_STEP."""
-    if not sequences:
-        return []
+def collate(chunk: list[TrainingSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """Right-padded input ids, attention mask, and the per-target weights and advantages
+    (the first token is never predicted, so they start at the second)."""
+    # On a GPU every new batch shape pays once for its kernels' set-up (attention plans,
+    # allocator blocks); widths in steps of GPU_WIDTH_STEP repeat from step to step.
     multiple = GPU_WIDTH_STEP if torch.device(device).type == "cuda" else 1
-
-    def rounded(tokens: int) -> int:
-        return -(-tokens // multiple) * multiple
-
-    width = max(len(s.input_ids) for s in sequences)
-    if not share_rows:
-        rows = [[s] for s in sorted(sequences, key=lambda s: len(s.input_ids))]
-    else:
-        rows = []
-        room: list[tuple[int, int]] = []  # (free tokens, row), sorted: best fit is a bisect
-        for sequence in sorted(sequences, key=lambda s: len(s.input_ids), reverse=True):
-            size = len(sequence.input_ids)
-            at = bisect.bisect_left(room, (size, -1))
-            if at == len(room):
-                rows.append([sequence])
-                bisect.insort(room, (width - size, len(rows) - 1))
-            else:
-                free, row = room.pop(at)
-                rows[row].append(sequence)
-                bisect.insort(room, (free - size, row))
-    chunks = [rows[start : start + rows_per_batch] for start in range(0, len(rows), rows_per_batch)]
-    return [
-        _packed(
-            chunk,
-            share_rows,
-            # Packed, every pass of the step has one shape; else each is as wide as its
-            # longest sequence.
-            rounded(width if share_rows else len(chunk[-1][0].input_ids)),
-            pad_id,
-            device,
-        )
-        for chunk in chunks
-    ]
-
-
-def _packed(
-    rows: list[list[TrainingSequence]], shared: bool, width: int, pad_id: int, device
-) -> PackedBatch:
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    segments = torch.zeros((len(rows), width), dtype=torch.long)
-    weights = torch.zeros((len(rows), width - 1))
-    advantages = torch.zeros((len(rows), width - 1))
-    sequences, index, lengths = [], [], []
-    for row, members in enumerate(rows):
-        start = 0
-        for segment, sequence in enumerate(members):
-            size = len(sequence.input_ids)
-            end = start + size
-            input_ids[row, start:end] = torch.tensor(sequence.input_ids)
-            position_ids[row, start:end] = torch.arange(size)
-            segments[row, start:end] = segment
-            weights[row, start : end - 1] = torch.tensor(sequence.weights[1:])
-            advantages[row, start : end - 1] = torch.tensor(sequence.advantages[1:])
-            index.append(torch.arange(row * (width - 1) + start, row * (width - 1) + end - 1))
-            lengths.append(size - 1)
-            sequences.append(sequence)
-            start = end
-        # The rest of the row is a block of its own (padding, never a target).
-        position_ids[row, start:] = torch.arange(width - start)
-        segments[row, start:] = len(members)
-    return PackedBatch(
-        shared=shared,
-        sequences=sequences,
-        input_ids=to_device(input_ids, device),
-        position_ids=to_device(position_ids, device),
-        segments=to_device(segments, device),
-        weights=to_device(weights, device),
-        advantages=to_device(advantages, device),
-        target_index=to_device(torch.cat(index), device),
-        target_lengths=lengths,
+    input_ids = to_device(pad_batch([s.input_ids for s in chunk], pad_id, multiple), device)
+    attention_mask = to_device(
+        pad_batch([[1] * len(s.input_ids) for s in chunk], 0, multiple), device
     )
+    width = input_ids.shape[1] - 1
+    weights = target_rows([s.weights for s in chunk], width, device)
+    advantages = target_rows([s.advantages for s in chunk], width, device)
+    return input_ids, attention_mask, weights, advantages
+
+
+def target_rows(values: list[list[float]], width: int, device) -> torch.Tensor:
+    """Per-token values of each sequence aligned with the targets, right-padded with 0."""
+    return padded([torch.tensor(v[1:], dtype=torch.float32) for v in values], width, device)
+
+
+def padded(tensors: list[torch.Tensor], width: int, device) -> torch.Tensor:
+    rows = [torch.nn.functional.pad(t, (0, width - t.numel())) for t in tensors]
+    return to_device(torch.stack(rows), device)
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
