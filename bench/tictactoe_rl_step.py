@@ -2,7 +2,7 @@
 into rollout / scoring / train, on one device in one process.
 
     python bench/tictactoe_rl_step.py [--device auto] [--games 64,256,1024] [--steps 3]
-        [--micro-batch-size 128] [--profile] [--all-trained] [--share-rows off|on|both]
+        [--micro-batch-size 128] [--profile] [--all-trained]
 
 The step is `run_rl`'s (rlcore/train/grpo.py) written out with a clock between its parts,
 on the built-in tiny model (untrained: replies run to `max_tokens` more often than a
@@ -18,10 +18,7 @@ The untrained model's games rarely differ within a group, so most advantages are
 little is trained; `--all-trained` gives every rollout an advantage of +1 or -1 (alternating)
 so the train column measures a step that trains on every sequence. The first step of each size (graph capture, allocator warm-up) is not timed; figures are
 medians of `--steps` steps. `--profile` runs one more step of the largest size under the
-torch profiler and prints its top operators. `--share-rows on` trains with several
-sequences packed into each row (`Learner.share_rows`); `both` trains each step twice on the
-same sequences, padded (the step's `train`) and then packed (`train packed`, not part of
-`step`), side by side. Writes bench/results/tictactoe_rl_step_<device>.json.
+torch profiler and prints its top operators. Writes bench/results/tictactoe_rl_step_<device>.json.
 """
 
 from __future__ import annotations
@@ -93,7 +90,6 @@ def run_size(
     micro_batch_size: int,
     profile: bool,
     all_trained: bool,
-    share_rows: str = "off",
 ):
     """Per-step seconds (rollout, scoring, train) at `games` games a step."""
     with tempfile.TemporaryDirectory() as output_dir:
@@ -109,7 +105,6 @@ def run_size(
     learner = Learner(
         model, None, optimizer, scheduler, tokenizer.pad_token_id, device, lambda: False
     )
-    learner.share_rows = share_rows == "on"
     sampling = SamplingParams(temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens)  # fmt: skip
     loop = asyncio.new_event_loop()
 
@@ -146,14 +141,7 @@ def run_size(
         update_policy(learner, sequences, normalizer, cfg)
         sync(device)
         trained = time.perf_counter()
-        packed = {}
-        if share_rows == "both":  # the same sequences again, packed
-            learner.share_rows = True
-            update_policy(learner, sequences, normalizer, cfg)
-            sync(device)
-            learner.share_rows = False
-            packed = {"train packed": time.perf_counter() - trained}
-        return packed | {
+        return {
             "rollout": rolled - started,
             "scoring": scored - rolled,
             "train": trained - scored,
@@ -192,7 +180,6 @@ def run_size(
     summary = {
         key: statistics.median(m[key] for m in measured)
         for key in (
-            *(["train packed"] if share_rows == "both" else []),
             "rollout",
             "scoring",
             "train",
@@ -219,7 +206,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="profile one step (largest)")
     parser.add_argument("--all-trained", action="store_true", help="advantage +-1 on every rollout")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--share-rows", choices=["off", "on", "both"], default="off")
     parser.add_argument("--out", default=None, help="JSON path (default by device)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -242,7 +228,6 @@ def main(argv: list[str] | None = None) -> dict:
             args.micro_batch_size,
             args.profile and games == sizes[-1],
             args.all_trained,
-            args.share_rows,
         )
         summaries.append(summary)
         details[games] = measured
@@ -264,11 +249,6 @@ def main(argv: list[str] | None = None) -> dict:
             f"{s['games'] / s['step']:>9.1f}{s['padding']:>9.1%}"
         )
         s["card"] = card
-    if args.share_rows == "both":
-        print(f"\n{'games':>6}{'train padded s':>16}{'train packed s':>16}{'packed/padded':>15}")
-        for s in summaries:
-            ratio = s["train packed"] / s["train"]
-            print(f"{s['games']:>6}{s['train']:>16.2f}{s['train packed']:>16.2f}{ratio:>14.2f}x")
     if profile_table:
         print(f"\nprofile of one step at {sizes[-1]} games:")
         print(profile_table["by_device_time"])
@@ -280,7 +260,6 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "micro_batch_size": args.micro_batch_size,
         "all_trained": args.all_trained,
-        "share_rows": args.share_rows,
         "summaries": summaries,
         "steps": details,
         "profile": profile_table,
