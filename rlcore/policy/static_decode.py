@@ -17,10 +17,15 @@ and every token's logprob is the log-softmax of the temperature-scaled logits, t
 `sample_tokens` arithmetic.
 
 The forward is written out over the model's own submodules (embeddings, norms,
-projections, MLPs, rotary embedding) for the Llama family without sliding windows
-(llama, mistral, qwen2, qwen3), so the graphs read the trainer's parameters in place: an
-optimizer step is seen by the next generation without re-capture (a parameter that moved
-to new memory drops the graphs). Other architectures keep the dynamic loop. Without CUDA
+projections, MLPs) for the Llama family without sliding windows (llama, mistral, qwen2,
+qwen3), so the graphs read the trainer's parameters in place: an optimizer step is seen by
+the next generation without re-capture (a parameter that moved to new memory drops the
+graphs). A captured step is bound by its kernel count, not its bytes, so the decode step
+takes few kernels a layer: q, k and v projected by one matrix and gate and up by another
+(copies of the layer's weights, refreshed in place before each generation), one fused
+RMSNorm, the rotary embedding from a table (attention's scaling folded into the query's
+rows) applied to queries and keys at once, residual additions inside the output
+projections' matrix products, and the attention mask an additive bias. Other architectures keep the dynamic loop. Without CUDA
 the same code runs eagerly, which is how the CPU tests check it against the dynamic loop.
 """
 
@@ -76,6 +81,9 @@ def unsupported_reason(model) -> str | None:
     inner = getattr(model, "model", None)
     if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not a decoder of the Llama layout (model.embed_tokens, layers, norm, rotary_emb)"
+    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        return f"rope type {rope!r} (its frequencies depend on the sequence length)"
     return None
 
 
@@ -96,16 +104,17 @@ def counter_uniforms(seeds: torch.Tensor, counter: torch.Tensor) -> torch.Tensor
     return (mixed >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def sample_tokens(logits, temperature, top_p, uniforms):
+def sample_tokens(logits, temperature, top_p, uniforms, greedy: bool = True):
     """One token per row and its log-probability, given one uniform per row.
 
     Rows with temperature 0 take the argmax and report the log-softmax of the raw logits;
     the others sample from softmax(logits / temperature) restricted to the top-p nucleus and
     report the log-softmax of the temperature-scaled logits (before the nucleus cut, as
     vLLM does), which is what a trainer's forward pass recomputes. `top_p` None means no
-    row uses a nucleus."""
-    greedy = temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    row uses a nucleus; `greedy` False that no row is greedy (the argmax is skipped). Logits
+    of a half-precision model are divided into float32 (`temperature` is float32)."""
+    greedy_rows = temperature <= 0
+    scale = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
     scaled_logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
     probabilities = scaled_logprobs.exp()
     if top_p is not None:
@@ -120,8 +129,9 @@ def sample_tokens(logits, temperature, top_p, uniforms):
     choice = torch.searchsorted(cumulative, targets[:, None], right=True).clamp(
         max=logits.shape[-1] - 1
     )
-    sampled = order.gather(1, choice) if order is not None else choice
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled[:, 0])
+    tokens = (order.gather(1, choice) if order is not None else choice)[:, 0]
+    if greedy:
+        tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
     return tokens, scaled_logprobs.gather(1, tokens[:, None])[:, 0]
 
 
@@ -138,8 +148,9 @@ class DecodeRequest:
 
 
 class _Workspace:
-    """The static buffers one or more graphs read and write: KV cache, per-row state and
-    outputs. Graphs hold their addresses, so they live as long as the workspace does."""
+    """The static buffers one or more graphs read and write: KV cache, attention mask, the
+    rotary table, per-row state and outputs. Graphs hold their addresses, so they live as
+    long as the workspace does."""
 
     def __init__(self, rows: int, length: int, layers: int, kv_heads: int, head_dim: int,
                  dtype, device, eos: list[int]):  # fmt: skip
@@ -148,12 +159,14 @@ class _Workspace:
         # Zeros, not empty: masked slots are multiplied by 0 in attention, and 0 * NaN is NaN.
         self.keys = torch.zeros(cache, dtype=dtype, device=device)
         self.values = torch.zeros(cache, dtype=dtype, device=device)
-        self.valid = torch.zeros((rows, length), dtype=torch.bool, device=device)
+        # Added to attention scores: 0 where a row's slot holds a token, -inf elsewhere.
+        self.mask = torch.full((rows, length), float("-inf"), dtype=dtype, device=device)
+        # The round's uniforms, one per row and token (counter_uniforms of its seed).
+        self.uniforms = torch.zeros((rows, length), dtype=torch.float32, device=device)
         self.out_tokens = torch.zeros((rows, length), dtype=torch.long, device=device)
         self.out_logprobs = torch.zeros((rows, length), dtype=torch.float32, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
         self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
         self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
         self.max_new = torch.zeros(rows, dtype=torch.long, device=device)
@@ -163,10 +176,13 @@ class _Workspace:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # cache slot written next
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the next token
         self.eos = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+        # Rotary cos and sin by position for the query heads then the key heads, set by
+        # the decoder ([length, heads + kv heads, head dim]).
+        self.rope_cos = self.rope_sin = None
 
     # What one decode step changes besides the slot it overwrites anyway.
     STATE = ("tokens", "positions", "done", "stopped", "lengths", "slot", "step")
-    PER_ROW = ("valid", "out_tokens", "out_logprobs", "tokens", "positions", "seeds",
+    PER_ROW = ("mask", "uniforms", "out_tokens", "out_logprobs", "tokens", "positions",
                "temperature", "top_p", "max_new", "done", "stopped", "lengths")  # fmt: skip
 
     def save(self) -> dict:
@@ -187,6 +203,68 @@ class _Workspace:
                 layer[:rows, :, :used_slots] = layer[:, :, :used_slots].index_select(0, keep)
 
 
+@dataclass
+class _FusedLayer:
+    """What the decode step reads of one decoder layer besides the layer's own modules:
+    its q, k and v projections stacked into one matrix and its gate and up projections
+    into another. Copies: `StaticDecoder._refresh` rewrites them in place before each
+    generation, so graphs holding their addresses see the trainer's latest weights."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+
+    @staticmethod
+    def sources(layer) -> tuple[list, list]:
+        attention, mlp = layer.self_attn, layer.mlp
+        return (
+            [attention.q_proj, attention.k_proj, attention.v_proj],
+            [mlp.gate_proj, mlp.up_proj],
+        )
+
+    @classmethod
+    def of(cls, layer) -> _FusedLayer:
+        stacked = [_stack(linears) for linears in cls.sources(layer)]
+        return cls(*stacked[0], *stacked[1])
+
+    def refresh(self, layer) -> None:
+        for (weight, bias), linears in zip(
+            ((self.qkv, self.qkv_bias), (self.gate_up, self.gate_up_bias)),
+            self.sources(layer),
+            strict=True,
+        ):
+            torch.cat([linear.weight for linear in linears], out=weight)
+            if bias is not None:
+                torch.cat([_bias(linear) for linear in linears], out=bias)
+
+
+def _bias(linear) -> torch.Tensor:
+    if linear.bias is not None:
+        return linear.bias
+    return linear.weight.new_zeros(linear.out_features)
+
+
+def _stack(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One matrix (and bias, None when no projection has one) for `linears` side by side."""
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        if all(linear.bias is None for linear in linears):
+            return weight, None
+        return weight, torch.cat([_bias(linear) for linear in linears])
+
+
+def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
+    """`norm(hidden)` as one fused kernel (the Llama family's RMSNorm)."""
+    return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _add_linear(hidden: torch.Tensor, x: torch.Tensor, linear) -> torch.Tensor:
+    """hidden + linear(x), the addition inside the matrix product."""
+    out = torch.addmm(hidden, x, linear.weight.t())
+    return out if linear.bias is None else out.add_(linear.bias)
+
+
 class StaticDecoder:
     """Batched generation over a static KV cache, the decode step replayed as a CUDA graph
     (`use_graphs`; eager otherwise). `captures`, `compactions` and `rounds` count what it
@@ -205,7 +283,8 @@ class StaticDecoder:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.workspace: _Workspace | None = None
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._fused: list[_FusedLayer] = []
+        self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._weights: tuple | None = None
         self.captures = self.compactions = self.rounds = 0
@@ -258,62 +337,83 @@ class StaticDecoder:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(hidden), positions[:, -1] + 1
 
-    def _decode_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool) -> None:
+    def _decode_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool,
+                     greedy: bool) -> None:  # fmt: skip
         """One token for the first `rows` rows, attention over the first `width` slots:
-        everything read and written lives in `ws`, so the step can be captured and replayed."""
+        everything read and written lives in `ws` (and the fused weights), so the step can
+        be captured and replayed."""
         inner = self.model.model
-        hidden = inner.embed_tokens(ws.tokens[:rows, None])
-        ws.valid[:rows].index_fill_(1, ws.slot, True)
-        cos, sin = inner.rotary_emb(hidden, ws.positions[:rows, None])
-        mask = ws.valid[:rows, None, None, :width]
-        groups = self.heads // self.kv_heads
-        for index, layer in enumerate(inner.layers):
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        groups, rotated = heads // kv_heads, (heads + kv_heads) * dim
+        ws.mask[:rows].index_fill_(1, ws.slot, 0.0)
+        # The mask for each (row, kv head) pair: the query heads sharing a kv head become
+        # that head's "sequence" of queries, so grouped-query attention reads each cached
+        # key and value once, in two batched matrix products (not SDPA: its fused kernels
+        # tile for long queries and ran several times slower than the bytes allow on
+        # one-token queries, H200).
+        mask = ws.mask[:rows, None, :width].repeat_interleave(kv_heads, dim=0)
+        cos = ws.rope_cos.index_select(0, ws.positions[:rows])
+        sin = ws.rope_sin.index_select(0, ws.positions[:rows])
+        hidden = inner.embed_tokens(ws.tokens[:rows])
+        for index, (layer, fused) in enumerate(zip(inner.layers, self._fused, strict=True)):
             attention = layer.self_attn
-            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
-            ws.keys[index, :rows].index_copy_(2, ws.slot, key)
-            ws.values[index, :rows].index_copy_(2, ws.slot, value)
-            # The query heads sharing a kv head become that head's "sequence" of queries, so
-            # grouped-query attention reads each cached key and value once. Two batched
-            # matrix products, not SDPA: its fused kernels tile for long queries and ran
-            # several times slower than the bytes allow on one-token queries (H200).
-            query = query.reshape(rows, self.kv_heads, groups, self.head_dim)
-            scores = torch.matmul(query, ws.keys[index, :rows, :, :width].transpose(-1, -2))
-            scores = (scores.float() * attention.scaling).masked_fill(~mask, float("-inf"))
-            weights = torch.softmax(scores, dim=-1).to(query.dtype)
-            out = torch.matmul(weights, ws.values[index, :rows, :, :width])
-            hidden = hidden + attention.o_proj(out.reshape(rows, 1, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        self._sample_and_record(ws, rows, self._logits(hidden), nucleus)
+            qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
+            qk = qkv[:, :rotated].view(rows, heads + kv_heads, dim)
+            if hasattr(attention, "q_norm"):  # qwen3 normalizes each head before the rotation
+                qk = torch.cat(
+                    (_rms_norm(attention.q_norm, qk[:, :heads]),
+                     _rms_norm(attention.k_norm, qk[:, heads:])), dim=1,
+                )  # fmt: skip
+            # x cos + rotate_half(x) sin, rotate_half being a roll with the sign in `sin`.
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)
+            ws.keys[index, :rows].index_copy_(2, ws.slot, qk[:, heads:, None])
+            ws.values[index, :rows].index_copy_(
+                2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
+            )
+            query = qk[:, :heads].reshape(rows * kv_heads, groups, dim)
+            keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+            values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+            weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
+            hidden = _add_linear(
+                hidden, torch.bmm(weights, values).view(rows, heads * dim), attention.o_proj
+            )
+            gate, up = F.linear(
+                _rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up, fused.gate_up_bias
+            ).chunk(2, dim=-1)
+            hidden = _add_linear(hidden, layer.mlp.act_fn(gate) * up, layer.mlp.down_proj)
+        logits = self.model.lm_head(_rms_norm(inner.norm, hidden))
+        self._sample_and_record(ws, rows, logits, nucleus, greedy)
         ws.positions[:rows].add_(1)
         ws.slot.add_(1)
 
-    def _sample_and_record(self, ws: _Workspace, rows: int, logits, nucleus: bool) -> None:
-        uniforms = counter_uniforms(ws.seeds[:rows], ws.step)
+    def _sample_and_record(self, ws: _Workspace, rows: int, logits, nucleus: bool,
+                           greedy: bool) -> None:  # fmt: skip
+        uniforms = ws.uniforms[:rows].index_select(1, ws.step)[:, 0]
         tokens, logprobs = sample_tokens(
-            logits, ws.temperature[:rows], ws.top_p[:rows] if nucleus else None, uniforms
+            logits, ws.temperature[:rows], ws.top_p[:rows] if nucleus else None, uniforms, greedy
         )
         ws.out_tokens[:rows].index_copy_(1, ws.step, tokens[:, None])
         ws.out_logprobs[:rows].index_copy_(1, ws.step, logprobs[:, None])
-        stop = (tokens[:, None] == ws.eos).any(-1)
+        stop = torch.isin(tokens, ws.eos)
         live = ~ws.done[:rows]
         ws.stopped[:rows].logical_or_(live & stop)
-        ws.lengths[:rows].copy_(torch.where(live, ws.step + 1, ws.lengths[:rows]))
-        ws.done[:rows].logical_or_(stop | (ws.step + 1 >= ws.max_new[:rows]))
+        ws.lengths[:rows].add_(live)  # a row's length: the steps it was live
+        ws.done[:rows].logical_or_(stop | (ws.lengths[:rows] >= ws.max_new[:rows]))
         ws.tokens[:rows].copy_(tokens)
         ws.step.add_(1)
 
     # -- graphs ------------------------------------------------------------------------
-    def _run_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool) -> None:
+    def _run_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool, greedy: bool):
         if not self.use_graphs:
-            self._decode_step(ws, rows, width, nucleus)
+            self._decode_step(ws, rows, width, nucleus, greedy)
             return
-        key = (rows, width, nucleus)
+        key = (rows, width, nucleus, greedy)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(ws, key)
         graph.replay()
 
-    def _capture(self, ws: _Workspace, key: tuple[int, int, bool]):
+    def _capture(self, ws: _Workspace, key: tuple[int, int, bool, bool]):
         """Capture the step for `key`. The eager warm-up (lazy initialisations stay out of
         the graph) runs the real step; the state it advanced is put back, and the cache
         slot and output column it wrote are rewritten identically by the first replay."""
@@ -341,13 +441,23 @@ class StaticDecoder:
 
     def _check_weights(self) -> None:
         """Graphs read parameters by address: if any moved (reloaded, cast, re-placed),
-        the graphs are stale. In-place updates (optimizer steps) keep them valid."""
+        the graphs are stale. In-place updates (optimizer steps) keep them valid; the fused
+        copies are rewritten in place from the layers either way."""
         addresses = tuple(t.data_ptr() for t in self.model.parameters()) + tuple(
             t.data_ptr() for t in self.model.buffers()
         )
+        layers = self.model.model.layers
         if addresses != self._weights:
             self._drop_graphs()
             self._weights = addresses
+            self._fused = []  # the old copies go before the new ones are made
+            self._fused = [_FusedLayer.of(layer) for layer in layers]
+            if self.workspace is not None:
+                self._fill_rope_table(self.workspace)
+        else:
+            with torch.no_grad():
+                for fused, layer in zip(self._fused, layers, strict=True):
+                    fused.refresh(layer)
 
     # -- the workspace -----------------------------------------------------------------
     def _bytes_per_row(self, length: int) -> int:
@@ -355,7 +465,7 @@ class StaticDecoder:
         element = self.model.model.embed_tokens.weight.element_size()
         cache = 2 * config.num_hidden_layers * self.kv_heads * self.head_dim * length * element
         # Per-row buffers, and the sampling temporaries over the vocabulary in the graph pool.
-        return cache + length * 17 + 8 * 4 * config.vocab_size
+        return cache + length * (20 + element) + 8 * 4 * config.vocab_size
 
     def _rows_per_round(self, rows: int, length: int) -> int:
         """How many rows one round may hold within MEMORY_SHARE of the free GPU memory."""
@@ -390,7 +500,22 @@ class StaticDecoder:
             rows, length, config.num_hidden_layers, self.kv_heads, self.head_dim,
             weight.dtype, weight.device, self.eos_token_ids,
         )  # fmt: skip
+        self._fill_rope_table(self.workspace)
         return self.workspace
+
+    def _fill_rope_table(self, ws: _Workspace) -> None:
+        """The rotary embedding of every cache position, from the model's own rotary module,
+        for the query heads (times attention's scaling) then the key heads; `sin` carries
+        rotate_half's sign so that the rotation is x cos + roll(x, dim / 2) sin."""
+        positions = torch.arange(ws.length, device=ws.keys.device)[None]
+        with torch.no_grad():
+            cos, sin = self.model.model.rotary_emb(ws.keys, positions)
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        scale = torch.ones(self.heads + self.kv_heads, dtype=cos.dtype, device=cos.device)
+        scale[: self.heads] = self.model.model.layers[0].self_attn.scaling
+        ws.rope_cos = cos[0, :, None, :] * scale[:, None]
+        ws.rope_sin = sin[0, :, None, :] * scale[:, None]
 
     def release(self) -> None:
         """Free the cache and graphs (the next generation allocates and captures again)."""
@@ -434,7 +559,10 @@ class StaticDecoder:
         def column(values, dtype, fill):
             return torch.tensor(values + [fill] * (rows - batch), dtype=dtype, device=device)
 
-        ws.seeds[:rows] = column(seeds, torch.long, 0)
+        tokens = torch.arange(most_new, device=device)[None]
+        ws.uniforms[:rows, :most_new] = counter_uniforms(
+            column(seeds, torch.long, 0)[:, None], tokens
+        )
         ws.temperature[:rows] = column([r.temperature for r in requests], torch.float32, 0.0)
         ws.top_p[:rows] = column([r.top_p for r in requests], torch.float32, 1.0)
         ws.max_new[:rows] = column([r.max_new_tokens for r in requests], torch.long, 1)
@@ -442,8 +570,9 @@ class StaticDecoder:
         ws.stopped[:rows].zero_()
         ws.lengths[:rows].zero_()
         ws.step.zero_()
-        ws.valid[:rows].zero_()
+        ws.mask[:rows].fill_(float("-inf"))
         nucleus = any(r.top_p < 1 for r in requests)
+        greedy = any(r.temperature <= 0 for r in requests)
 
         # Prefill in chunks of rows (left-padded to the round's longest prompt), then the
         # first token of every row from the prompt's last logits.
@@ -462,10 +591,10 @@ class StaticDecoder:
             )
             logits.append(chunk_logits)
             positions.append(chunk_positions)
-        ws.valid[:rows, :prompt] = valid
+        ws.mask[:rows, :prompt].masked_fill_(valid, 0.0)
         ws.positions[:rows] = torch.cat(positions)
         ws.slot.fill_(prompt)
-        self._sample_and_record(ws, rows, torch.cat(logits), nucleus)
+        self._sample_and_record(ws, rows, torch.cat(logits), nucleus, greedy)
 
         # Decode: replay steps; every CHECK_EVERY steps look at which rows are done, stop
         # when all are, and move the live ones into a smaller bucket when they fit one.
@@ -492,7 +621,7 @@ class StaticDecoder:
                     owner = [None if done[row] else owner[row] for row in keep]
                     rows = smaller
                     self.compactions += 1
-            self._run_step(ws, rows, length_bucket(prompt + step, ws.length), nucleus)
+            self._run_step(ws, rows, length_bucket(prompt + step, ws.length), nucleus, greedy)
         self._collect(ws, rows, most_new, owner, results, None)
         return results
 
