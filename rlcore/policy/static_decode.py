@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlcore.policy import decode_kernels
 from rlcore.policy.base import StopRequested
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -267,10 +268,13 @@ def _add_linear(hidden: torch.Tensor, x: torch.Tensor, linear) -> torch.Tensor:
 
 class StaticDecoder:
     """Batched generation over a static KV cache, the decode step replayed as a CUDA graph
-    (`use_graphs`; eager otherwise). `captures`, `compactions` and `rounds` count what it
-    did, for tests and benchmarks."""
+    (`use_graphs`; eager otherwise). `kernels`: the step's rotary/cache writes and silu-gate
+    through decode_kernels' fused kernels (None: wherever they can run, i.e. on CUDA with
+    Triton installed). `captures`, `compactions` and `rounds` count what it did, for tests
+    and benchmarks."""
 
-    def __init__(self, model, eos_token_ids, pad_token_id: int, *, use_graphs: bool):
+    def __init__(self, model, eos_token_ids, pad_token_id: int, *, use_graphs: bool,
+                 kernels: bool | None = None):  # fmt: skip
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this model: {reason}")
@@ -282,12 +286,29 @@ class StaticDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        why_not = self._kernels_problem()
+        if kernels and why_not:
+            raise ValueError(f"the decode kernels cannot run this model: {why_not}")
+        self.kernels = why_not is None if kernels is None else kernels
         self.workspace: _Workspace | None = None
         self._fused: list[_FusedLayer] = []
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._weights: tuple | None = None
         self.captures = self.compactions = self.rounds = 0
+
+    def _kernels_problem(self) -> str | None:
+        """Why decode_kernels cannot serve this model's decode step (None: they can)."""
+        config = self.model.config
+        if not decode_kernels.available(self.model.model.embed_tokens.weight.device):
+            return "Triton is not installed or the model is not on a GPU"
+        if not decode_kernels.supported_head_dim(self.head_dim):
+            return f"head dim {self.head_dim} (a power of two from 16 is needed)"
+        if hasattr(self.model.model.layers[0].self_attn, "q_norm"):
+            return "per-head query/key norms (qwen3)"
+        if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+            return f"activation {getattr(config, 'hidden_act', None)!r} (silu is needed)"
+        return None
 
     # -- the forward, over the model's own modules -------------------------------------
     def _project(self, attention, hidden, cos, sin):
@@ -352,35 +373,48 @@ class StaticDecoder:
         # tile for long queries and ran several times slower than the bytes allow on
         # one-token queries, H200).
         mask = ws.mask[:rows, None, :width].repeat_interleave(kv_heads, dim=0)
-        cos = ws.rope_cos.index_select(0, ws.positions[:rows])
-        sin = ws.rope_sin.index_select(0, ws.positions[:rows])
+        if not self.kernels:
+            cos = ws.rope_cos.index_select(0, ws.positions[:rows])
+            sin = ws.rope_sin.index_select(0, ws.positions[:rows])
         hidden = inner.embed_tokens(ws.tokens[:rows])
         for index, (layer, fused) in enumerate(zip(inner.layers, self._fused, strict=True)):
             attention = layer.self_attn
             qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
-            qk = qkv[:, :rotated].view(rows, heads + kv_heads, dim)
-            if hasattr(attention, "q_norm"):  # qwen3 normalizes each head before the rotation
-                qk = torch.cat(
-                    (_rms_norm(attention.q_norm, qk[:, :heads]),
-                     _rms_norm(attention.k_norm, qk[:, heads:])), dim=1,
+            if self.kernels:
+                query = decode_kernels.rope_and_cache(
+                    qkv, ws.rope_cos, ws.rope_sin, ws.positions[:rows], ws.slot,
+                    ws.keys[index], ws.values[index], heads, kv_heads,
                 )  # fmt: skip
-            # x cos + rotate_half(x) sin, rotate_half being a roll with the sign in `sin`.
-            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)
-            ws.keys[index, :rows].index_copy_(2, ws.slot, qk[:, heads:, None])
-            ws.values[index, :rows].index_copy_(
-                2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
-            )
-            query = qk[:, :heads].reshape(rows * kv_heads, groups, dim)
+            else:
+                qk = qkv[:, :rotated].view(rows, heads + kv_heads, dim)
+                if hasattr(attention, "q_norm"):  # qwen3 normalizes heads before the rotation
+                    qk = torch.cat(
+                        (_rms_norm(attention.q_norm, qk[:, :heads]),
+                         _rms_norm(attention.k_norm, qk[:, heads:])), dim=1,
+                    )  # fmt: skip
+                # x cos + rotate_half(x) sin, rotate_half being a roll with the sign in `sin`.
+                qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)
+                ws.keys[index, :rows].index_copy_(2, ws.slot, qk[:, heads:, None])
+                ws.values[index, :rows].index_copy_(
+                    2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
+                )
+                query = qk[:, :heads]
+            query = query.reshape(rows * kv_heads, groups, dim)
             keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
             values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
             weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
             hidden = _add_linear(
                 hidden, torch.bmm(weights, values).view(rows, heads * dim), attention.o_proj
             )
-            gate, up = F.linear(
+            gate_up = F.linear(
                 _rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up, fused.gate_up_bias
-            ).chunk(2, dim=-1)
-            hidden = _add_linear(hidden, layer.mlp.act_fn(gate) * up, layer.mlp.down_proj)
+            )
+            if self.kernels:
+                gated = decode_kernels.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                gated = layer.mlp.act_fn(gate) * up
+            hidden = _add_linear(hidden, gated, layer.mlp.down_proj)
         logits = self.model.lm_head(_rms_norm(inner.norm, hidden))
         self._sample_and_record(ws, rows, logits, nucleus, greedy)
         ws.positions[:rows].add_(1)

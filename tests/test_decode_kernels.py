@@ -1,0 +1,112 @@
+"""The static decoder's decode step on other Llama-family layouts (grouped-query attention,
+biases, qwen3's per-head norms) against the engine's dynamic loop, and its fused Triton
+kernels (decode_kernels, run by Triton's interpreter on the CPU) against its torch ops."""
+
+import asyncio
+import importlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from rlcore.policy import decode_kernels
+from rlcore.policy.local import LocalEngine
+from rlcore.types import SamplingParams
+
+SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3,
+)  # fmt: skip
+
+
+def model_of(config_class, **extra):
+    torch.manual_seed(0)
+    config = config_class(**SHAPE, vocab_size=300, **extra)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+MODELS = {
+    "qwen2 (grouped-query, q/k/v bias)": lambda: model_of(Qwen2Config),
+    "llama (attention and MLP biases)": lambda: model_of(
+        LlamaConfig, attention_bias=True, mlp_bias=True
+    ),
+    "qwen3 (per-head query/key norms)": lambda: model_of(Qwen3Config),
+}
+
+
+def engines(model, tokenizer, kernels=None):
+    dynamic = LocalEngine(model=model, tokenizer=tokenizer, name="dynamic", decode="dynamic")
+    static = LocalEngine(model=model, tokenizer=tokenizer, name="static", decode="static")
+    for engine in (dynamic, static):
+        engine.eos_token_ids = set()  # every reply runs its full length
+    return dynamic, static
+
+
+def replies(engine, count=6, temperature=0.0):
+    async def run():
+        return await asyncio.gather(
+            *(
+                engine.generate(
+                    [{"role": "user", "content": f"Board {i}: " + "X.O" * (i % 5)}],
+                    SamplingParams(temperature=temperature, max_tokens=6 + 2 * i, seed=i),
+                )
+                for i in range(count)
+            )
+        )
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_tiny_model)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_decode_step_matches_the_dynamic_loop_on_other_layouts(name, tokenizer):
+    dynamic, static = engines(MODELS[name](), tokenizer)
+    expected, got = replies(dynamic), replies(static)
+    assert static._static is not None and not static._static.kernels
+    assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+
+
+@pytest.fixture
+def interpreted_kernels(monkeypatch):
+    """decode_kernels with Triton's interpreter (kernels run on CPU tensors)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(decode_kernels)
+    yield decode_kernels
+    monkeypatch.delenv("TRITON_INTERPRET")
+    importlib.reload(decode_kernels)
+
+
+@pytest.mark.parametrize("name", ["qwen2 (grouped-query, q/k/v bias)", "tiny"])
+def test_the_fused_kernels_give_the_torch_ops_results(name, tokenizer, interpreted_kernels,
+                                                      default_tiny_model):  # fmt: skip
+    if name == "tiny":
+        model = AutoModelForCausalLM.from_pretrained(default_tiny_model, dtype=torch.float32)
+    else:
+        model = MODELS[name]()
+    dynamic, static = engines(model.eval(), tokenizer)
+    expected = replies(dynamic, count=4)
+    got = replies(static, count=4)
+    assert static._static.kernels  # the interpreter made them available on the CPU
+    assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+    # Sampled rows too: the same seeds draw the same tokens through kernels or torch ops.
+    sampled_kernels = replies(static, count=4, temperature=1.0)
+    static._static.kernels = False
+    sampled_torch = replies(static, count=4, temperature=1.0)
+    assert [g.completion_ids for g in sampled_kernels] == [g.completion_ids for g in sampled_torch]
+
+
+def test_the_kernels_are_refused_where_they_cannot_run(tokenizer):
+    from rlcore.policy.static_decode import StaticDecoder
+
+    with pytest.raises(ValueError, match="decode kernels cannot run"):
+        StaticDecoder(model_of(Qwen2Config), [0], 0, use_graphs=False, kernels=True)
