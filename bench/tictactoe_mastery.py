@@ -234,13 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         "value, 0 otherwise) in each move's advantage; 0: outcome rewards only",
     )
     parser.add_argument(
-        "--rl-explore",
-        type=float,
-        default=0.0,
-        help="RL explore_rate: the chance that a training reply's move is replaced by a "
-        "uniformly random legal one, trained as if sampled (exploration moves); 0: off",
-    )
-    parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
     parser.add_argument(
@@ -340,7 +333,6 @@ def main(argv: list[str] | None = None) -> int:
             loss_aggregation=args.rl_aggregation,
             advantage=args.rl_advantage,
             turn_reward_weight=args.rl_turn_reward_weight,
-            explore_rate=args.rl_explore,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             num_iterations=args.rl_iterations,
@@ -363,7 +355,6 @@ def main(argv: list[str] | None = None) -> int:
                 "tictactoe/invalid_move_rate",
                 "tictactoe/sound_move_rate",
                 "tictactoe/think_correct_rate",
-                *(["rollout/explored_rate"] if args.rl_explore else []),
             ],
             out / "rl" / "metrics.jsonl",
         ),

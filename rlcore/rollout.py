@@ -99,7 +99,6 @@ async def run_rollouts(
     concurrency: int = 32,
     on_result: Callable[[Rollout], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
-    player_for: Callable[[Policy, int], Policy] | None = None,
 ) -> list[Rollout]:
     """`rollouts_per_example` rollouts of every example, in example order (groups adjacent).
 
@@ -109,19 +108,15 @@ async def run_rollouts(
     engine given the same `should_stop`), and both are left out of the result (an
     unfinished game would pass for a lost one). Every rollout returned was played to its
     end and carries the env's facts about it (`Environment.rollout_facts`), a failed one
-    included. `player_for(policy, position)`, when given, is who plays the rollout at
-    `position` in that order instead of `policy` (RL's exploration moves: each rollout its
-    own seeded draws, however the rollouts interleave).
+    included.
     """
     semaphore = asyncio.Semaphore(max(1, concurrency))
 
-    async def one(example: Example, position: int) -> Rollout | None:
+    async def one(example: Example) -> Rollout | None:
         async with semaphore:
             if should_stop is not None and should_stop():
                 return None
-            player = policy if player_for is None else player_for(policy, position)
-            if should_stop is not None:
-                player = _StoppablePolicy(player, should_stop)
+            player = policy if should_stop is None else _StoppablePolicy(policy, should_stop)
             try:
                 result = await env.rollout(player, example, sampling)
             except Exception as exc:  # keep the failure with the rollout, name where it came from
@@ -141,8 +136,7 @@ async def run_rollouts(
             on_result(result)
         return result
 
-    batch = [example for example in examples for _ in range(rollouts_per_example)]
-    tasks = [one(example, position) for position, example in enumerate(batch)]
+    tasks = [one(ex) for ex in examples for _ in range(rollouts_per_example)]
     with fewer_collections:
         results = await asyncio.gather(*tasks)
     return [result for result in results if result is not None]

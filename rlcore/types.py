@@ -55,9 +55,6 @@ class Generation:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     tool_calls: list[dict] | None = None  # OpenAI-style native tool calls, if any
-    # An exploration move (rlcore/train/explore.py): the env's reply, not the policy's
-    # sample, its ids encoded from `text`; it has no sampled logprobs.
-    explored: bool = False
 
 
 @dataclass
@@ -86,8 +83,6 @@ class Turn:
     # The env's name for the decision this turn answered (see Environment.decision_key):
     # turns of one example with equal keys faced the same position. None: no such name.
     state_key: str | None = None
-    # The reply was an exploration move (Generation.explored), not sampled by the policy.
-    explored: bool = False
 
 
 @dataclass

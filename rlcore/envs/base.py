@@ -16,7 +16,6 @@ import copy
 import hashlib
 import inspect
 import json
-import random
 import re
 import time
 import uuid
@@ -259,14 +258,6 @@ class Environment(ABC):
         credits each turn with its own reward on top of the episode's."""
         return None
 
-    def exploration_reply(self, reply: str, state: dict, rng: random.Random) -> str | None:
-        """A well-formed reply carrying a uniformly random legal move (drawn with `rng`)
-        in place of the model's `reply`, for the position of `state` before the reply is
-        applied; RL's `explore_rate` sends it to the env instead of the model's reply, so
-        a policy sure of a wrong move still tries others. None (the default) when the env
-        cannot make one: RL refuses `explore_rate` > 0 for such an env."""
-        return None
-
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are
         reported per value of each label."""
@@ -418,7 +409,6 @@ class MultiTurnEnv(Environment):
                             logprobs=generation.logprobs,
                             finish_reason=generation.finish_reason,
                             state_key=key,
-                            explored=generation.explored,
                         )
                     )
                 messages.append(self.assistant_message(generation))

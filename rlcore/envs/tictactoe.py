@@ -33,7 +33,6 @@ from rlcore.envs.tictactoe_game import (
     EMPTY,
     REASONING_FORMATS,
     check_mark,
-    empty_cells,
     game_over,
     move_values,
     opponent_move,
@@ -501,19 +500,6 @@ class TicTacToeEnv(MultiTurnEnv):
             (1.0 if s is True else 0.0) + (bonus if t else 0.0)
             for s, t in zip(sound, thinks, strict=True)
         ]
-
-    def exploration_reply(self, reply: str, state: dict, rng: random.Random) -> str:
-        """`<think>T</think><move>N</move>` with N a uniformly random empty cell of the
-        board and T the model's own think block, kept as it wrote it. A reply without a
-        think block to keep (malformed, cut short) gets the one the built-in players write
-        (`think_text`: the board's facts, never the choice), so every reply chosen for
-        exploration is replaced and the env sees one well-formed, legal move."""
-        board = state["board"]
-        cell = rng.choice(empty_cells(board))
-        think = think_parser.think(reply)
-        if think is None:
-            think = think_text(board, state["model_mark"], state["reasoning"])
-        return f"<think>{think}</think><move>{cell}</move>"
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         source = rollout.info if "model_mark" in rollout.info else rollout.state

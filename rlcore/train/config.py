@@ -75,7 +75,6 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "max_seq_len": (1, 1_048_576),
     "save_every": (0, 10_000_000),
     "turn_reward_weight": (0.0, 1000.0),
-    "explore_rate": (0.0, 1.0),
     "clip_eps_low": (0.0, 1.0),
     "clip_eps_high": (0.0, 100.0),
     "beta": (0.0, 100.0),
@@ -101,6 +100,7 @@ REMOVED = {
     "decision_scale_rewards": True,
     "kl_scope": "all",
     "train_scope": "reply",
+    "explore_rate": 0.0,
 }
 # Settings that moved into a section under another name.
 RENAMED = {"loss_type": "loss.type", "loss_aggregation": "loss.aggregation"}
@@ -320,12 +320,6 @@ class RLConfig:
     move that keeps the game-theoretic value, 0 for one that gives some away or is
     invalid) in each turn's advantage, against a per-position baseline (see
     advantages.turn_reward_advantages). 0 trains on episode rewards alone"""
-    explore_rate: float = 0.0
-    """exploration moves: the chance that a model turn's reply is replaced, before the env
-    applies it, by the env's well-formed reply carrying a uniformly random legal move
-    (Environment.exploration_reply; tic-tac-toe keeps the model's think block), which is
-    then scored and trained as if sampled (rlcore/train/explore.py). Seeded by the run's
-    seed. 0: off; an env that cannot replace a move refuses anything else"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8

@@ -5,8 +5,7 @@ One step, as `run_rl` does it from top to bottom:
    groups (`StratifiedSampler`);
 2. play `rollouts_per_example` rollouts of each with a `LocalEngine` that shares the
    training model, so rollouts always sample the current weights (or, with placement
-   "split", holds a copy on another GPU that gets the weights after every step); with
-   `explore_rate`, some replies are replaced by random legal moves (explore.py);
+   "split", holds a copy on another GPU that gets the weights after every step);
 3. score them (the env's rubric already did: `rollout.reward`) and turn rewards into
    advantages (`step_advantages`: GRPO's group baseline or per-move credit, plus the env's
    own per-move verdicts with `turn_reward_weight`);
@@ -78,7 +77,6 @@ from rlcore.train.distributed import (
     generation_model,
     placement_devices,
 )
-from rlcore.train.explore import ExplorationMoves, explored_rate
 from rlcore.train.sampling import StratifiedSampler, rollout_sample
 from rlcore.train.sequences import (
     TrainingSequence,
@@ -285,20 +283,18 @@ class StepSums:
 
 def sampling_stats(chunk, old, entropy, weights) -> dict[str, torch.Tensor]:
     """Entropy of the trained tokens and their gap to the logprobs the engine sampled with
-    (rows without sampled logprobs, e.g. from an endpoint, and exploration moves' tokens,
-    NaN there, count for entropy only)."""
+    (rows without sampled logprobs, e.g. from an endpoint, count for entropy only)."""
     mask = weights > 0
     sampled_at = [s.sampled_logprobs or [0.0] * len(s.input_ids) for s in chunk]
     sampled = target_rows(sampled_at, old.shape[1], old.device)
     has_sampled = to_device(
         torch.tensor([s.sampled_logprobs is not None for s in chunk]), old.device
     )
-    compared = mask & has_sampled[:, None] & ~sampled.isnan()
-    gap = (old.detach().float() - sampled.nan_to_num()).abs()
+    compared = mask & has_sampled[:, None]
     return {
         "entropy": (entropy.detach() * mask).sum(),
         "entropy_tokens": mask.sum().float(),
-        "mismatch": (gap * compared).sum(),
+        "mismatch": ((old.detach().float() - sampled).abs() * compared).sum(),
         "mismatch_tokens": compared.sum().float(),
     }
 
@@ -456,12 +452,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             f"turn_reward_weight={cfg.turn_reward_weight} needs an env with per-turn rewards; "
             f"{env.name!r} judges whole episodes only (set turn_reward_weight = 0)"
         )
-    if cfg.explore_rate > 0 and type(env).exploration_reply is Environment.exploration_reply:
-        raise ValueError(
-            f"explore_rate={cfg.explore_rate} needs an env that can replace a move with a "
-            f"random legal one (Environment.exploration_reply); {env.name!r} cannot (set "
-            "explore_rate = 0)"
-        )
     # Ranks must run an update's collectives together: only one process hears a stop
     # between its micro-batches.
     learner, tokenizer, state = build_learner(cfg, device, ranks.inside_step(sink.should_stop))
@@ -545,13 +535,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             step_started = time.monotonic()
             start = (sampler.state_dict(), random_states())  # saved instead if it is dropped
 
-            # 1-2. A stratified batch of examples, each rolled out as a group; with
-            #      explore_rate, some replies replaced by random legal moves.
-            explore = (
-                ExplorationMoves(env, tokenizer, cfg.explore_rate, cfg.seed, step)
-                if cfg.explore_rate > 0
-                else None
-            )
+            # 1-2. A stratified batch of examples, each rolled out as a group.
             rollouts = loop.run_until_complete(
                 run_rollouts(
                     env,
@@ -561,7 +545,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                     rollouts_per_example=cfg.rollouts_per_example,
                     concurrency=cfg.sampling.concurrency,
                     should_stop=sink.should_stop,
-                    player_for=explore,
                 )
             )
             if len(rollouts) < cfg.batch_size:
@@ -594,8 +577,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                 f"outcome/{label}": metrics.get(f"outcome/{label}", 0.0) for label in outcome_labels
             }
             metrics |= trained | advantage_metrics
-            if explore is not None:
-                metrics["rollout/explored_rate"] = explored_rate(rollouts)
             metrics |= {
                 # Tokens through the trainer (prompts included) per second of the step.
                 "perf/tokens_per_s": sum(len(s.input_ids) for s in sequences) / step_seconds,

@@ -11,7 +11,6 @@ from which the mask, the normalizer and the KL term all follow.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +29,7 @@ class TrainingSequence:
     input_ids: list[int]
     weights: list[float]  # per token: its weight in the loss's sum (0: not trained)
     advantages: list[float]  # per token: its turn's advantage (0 where not trained)
-    # At generation time, per token: 0 off completions, NaN on an exploration move's reply.
-    sampled_logprobs: list[float] | None
+    sampled_logprobs: list[float] | None  # at generation time, per token (0 off completions)
     turns: int = 1  # assistant turns trained in this sequence
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
@@ -87,12 +85,9 @@ def _assemble(rollout: Rollout) -> list[Assembled]:
         segments.append((index, len(turn.completion_ids)))
         if logprobs is not None:
             logprobs.extend([0.0] * len(new_prompt))
-            if turn.explored:  # an exploration move: nothing sampled to compare with
-                logprobs.extend([math.nan] * len(turn.completion_ids))
-            elif turn.logprobs is None:
+            logprobs.extend(turn.logprobs or [])
+            if turn.logprobs is None:
                 sequences[-1] = (input_ids, None, segments)
-            else:
-                logprobs.extend(turn.logprobs)
     return sequences
 
 
