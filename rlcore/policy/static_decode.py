@@ -25,8 +25,10 @@ takes few kernels a layer: q, k and v projected by one matrix and gate and up by
 (copies of the layer's weights, refreshed in place before each generation), one fused
 RMSNorm, the rotary embedding from a table (attention's scaling folded into the query's
 rows) applied to queries and keys at once, residual additions inside the output
-projections' matrix products, and the attention mask an additive bias. Other architectures keep the dynamic loop. Without CUDA
-the same code runs eagerly, which is how the CPU tests check it against the dynamic loop.
+projections' matrix products, and the attention mask an additive bias; on CUDA with
+Triton, two fused kernels (decode_kernels) take the rotary embedding with the cache writes
+and the silu gate. Other architectures keep the dynamic loop. Without CUDA the same code
+runs eagerly, which is how the CPU tests check it against the dynamic loop.
 """
 
 from __future__ import annotations
@@ -208,8 +210,8 @@ class _Workspace:
 class _FusedLayer:
     """What the decode step reads of one decoder layer besides the layer's own modules:
     its q, k and v projections stacked into one matrix and its gate and up projections
-    into another. Copies: `StaticDecoder._refresh` rewrites them in place before each
-    generation, so graphs holding their addresses see the trainer's latest weights."""
+    into another. Copies: `StaticDecoder._check_weights` rewrites them in place before
+    each generation, so graphs holding their addresses see the trainer's latest weights."""
 
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
