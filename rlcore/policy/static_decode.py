@@ -313,52 +313,58 @@ class StaticDecoder:
         return None
 
     # -- the forward, over the model's own modules -------------------------------------
-    def _project(self, attention, hidden, cos, sin):
-        """q [B, heads, T, D], k and v [B, kv heads, T, D], rotary embedding applied."""
-        batch, length, _ = hidden.shape
-        shape = (batch, length, -1, self.head_dim)
-        query = attention.q_proj(hidden).view(shape)
-        key = attention.k_proj(hidden).view(shape)
-        value = attention.v_proj(hidden).view(shape).transpose(1, 2)
-        if hasattr(attention, "q_norm"):  # qwen3 normalizes each head before the rotation
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
-
-    def _logits(self, hidden):
-        inner = self.model.model
-        return self.model.lm_head(inner.norm(hidden[:, -1])).float()
+    def _rotated_heads(self, attention, qkv, cos, sin):
+        """Queries then keys ([..., heads + kv heads, dim]) of a q/k/v projection `qkv`
+        ([..., (heads + 2 kv heads) x dim]), rotated by table rows `cos`/`sin`: x cos +
+        roll(x, dim / 2) sin, rotate_half's sign and the queries' scaling in the table."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qk = qkv[..., : (heads + kv_heads) * dim].unflatten(-1, (heads + kv_heads, dim))
+        if hasattr(attention, "q_norm"):  # qwen3 normalizes heads before the rotation
+            qk = torch.cat(
+                (_rms_norm(attention.q_norm, qk[..., :heads, :]),
+                 _rms_norm(attention.k_norm, qk[..., heads:, :])), dim=-2,
+            )  # fmt: skip
+        return torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)
 
     def _prefill(self, ws: _Workspace, start: int, ids, valid):
         """Run prompt rows `start:start + len(ids)` (left-padded ids, valid mask [B, P]) into
-        the cache; returns the last position's logits and each row's next position."""
+        the cache, with the decode step's fused weights; returns the last position's logits
+        and each row's next position."""
         inner = self.model.model
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         batch, length = ids.shape
         rows = slice(start, start + batch)
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(hidden, positions)
+        cos, sin = ws.rope_cos[positions], ws.rope_sin[positions]  # [B, P, heads + kv, dim]
         causal = torch.ones((length, length), dtype=torch.bool, device=ids.device).tril()
         # A padding query attends to itself alone (never read later), so no row is all -inf.
         eye = torch.eye(length, dtype=torch.bool, device=ids.device)
         mask = ((causal[None] & valid[:, None, :]) | eye[None])[:, None]
-        groups = self.heads // self.kv_heads
-        for index, layer in enumerate(inner.layers):
+        hidden = inner.embed_tokens(ids).flatten(0, 1)  # [B x P, hidden]
+        for index, (layer, fused) in enumerate(zip(inner.layers, self._fused, strict=True)):
             attention = layer.self_attn
-            query, key, value = self._project(attention, layer.input_layernorm(hidden), cos, sin)
+            qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
+            qkv = qkv.view(batch, length, -1)
+            qk = self._rotated_heads(attention, qkv, cos, sin).transpose(1, 2)
+            key = qk[:, heads:]
+            value = qkv[..., (heads + kv_heads) * dim :].unflatten(-1, (kv_heads, dim))
+            value = value.transpose(1, 2)
             ws.keys[index, rows, :, :length] = key
             ws.values[index, rows, :, :length] = value
             out = F.scaled_dot_product_attention(
-                query,
-                key.repeat_interleave(groups, dim=1),
-                value.repeat_interleave(groups, dim=1),
-                attn_mask=mask,
-                scale=attention.scaling,
+                qk[:, :heads], key, value, attn_mask=mask, scale=1.0,
+                enable_gqa=heads != kv_heads,
+            )  # fmt: skip
+            hidden = _add_linear(
+                hidden, out.transpose(1, 2).flatten(0, 1).flatten(1), attention.o_proj
             )
-            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self._logits(hidden), positions[:, -1] + 1
+            gate_up = F.linear(
+                _rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up, fused.gate_up_bias
+            )
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = _add_linear(hidden, layer.mlp.act_fn(gate) * up, layer.mlp.down_proj)
+        last = hidden.view(batch, length, -1)[:, -1]
+        return self.model.lm_head(_rms_norm(inner.norm, last)), positions[:, -1] + 1
 
     def _decode_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool,
                      greedy: bool) -> None:  # fmt: skip
@@ -388,14 +394,7 @@ class StaticDecoder:
                     ws.keys[index], ws.values[index], heads, kv_heads,
                 )  # fmt: skip
             else:
-                qk = qkv[:, :rotated].view(rows, heads + kv_heads, dim)
-                if hasattr(attention, "q_norm"):  # qwen3 normalizes heads before the rotation
-                    qk = torch.cat(
-                        (_rms_norm(attention.q_norm, qk[:, :heads]),
-                         _rms_norm(attention.k_norm, qk[:, heads:])), dim=1,
-                    )  # fmt: skip
-                # x cos + rotate_half(x) sin, rotate_half being a roll with the sign in `sin`.
-                qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)
+                qk = self._rotated_heads(attention, qkv, cos, sin)
                 ws.keys[index, :rows].index_copy_(2, ws.slot, qk[:, heads:, None])
                 ws.values[index, :rows].index_copy_(
                     2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
@@ -680,10 +679,3 @@ class StaticDecoder:
                 logprobs[row][:count],
                 "stop" if stopped[row] else "length",
             )
-
-
-def _rotate(x, cos, sin):
-    """Rotary embedding: x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
