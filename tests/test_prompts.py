@@ -8,6 +8,8 @@ import asyncio
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
@@ -18,6 +20,7 @@ from rlcore.policy.prompts import (
     PromptRenderer,
     message_local_problem,
     prefix_reuse_problem,
+    render_builtin_chatml,
 )
 from rlcore.policy.tiny import CHAT_TEMPLATE
 from rlcore.types import SamplingParams
@@ -126,7 +129,10 @@ def test_rollout_prompts_are_the_whole_rendered_conversation_tokenized(
     assert checked >= len(rollouts)
     if checked > len(rollouts):  # some game went on after its first reply
         assert engine._prompt_tokenizer.reused_chars > 0
-        assert engine._renderer.reused_messages > 0
+        if env.tool_schemas:  # rendered by Jinja, the new messages only
+            assert engine._renderer.reused_messages > 0
+        else:  # plain messages on the built-in template: no Jinja at all
+            assert engine._renderer.builtin_rendered > 0
 
 
 # A ChatML template that, like many published ones, looks at the conversation as a whole:
@@ -197,8 +203,50 @@ def test_growing_conversations_render_as_whole_texts(default_tiny_model, templat
                 chat, tools=tools, add_generation_prompt=True, tokenize=False
             )
             assert renderer.render(chat, tools) == expected
-    assert (renderer.reused_messages > 0) == (template == "shipped")
+    if template == "shipped" and tools is None:  # plain chats skip Jinja, the rest render whole
+        assert renderer.builtin_rendered > 0
+    else:
+        assert (renderer.reused_messages > 0) == (template == "shipped")
     assert len(renderer._texts) <= 50
+
+
+CONTENTS = st.lists(st.sampled_from(PIECES + ["a", "{{", "}}", "{%", "%}", "#"]), max_size=6).map(
+    "".join
+) | st.text(max_size=12)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]), "content": CONTENTS}
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=MESSAGES)
+def test_the_builtin_template_without_jinja_is_the_templates_text(tokenizer, messages):
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert render_builtin_chatml(messages) == expected
+
+
+def test_only_plain_messages_skip_jinja(tokenizer):
+    assert (
+        render_builtin_chatml([{"role": "user", "content": [{"type": "text", "text": "a"}]}])
+        is None
+    )
+    assert render_builtin_chatml([{"role": "assistant", "content": "a", "tool_calls": []}]) is None
+    assert render_builtin_chatml([]) is None
+    renderer = PromptRenderer(tokenizer)
+    assert renderer.builtin
+    chat = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert renderer.render(chat, tools) == tokenizer.apply_chat_template(
+        chat, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert renderer.builtin_rendered == 0  # tools: Jinja
+    renderer.render(chat)
+    assert renderer.builtin_rendered == 1
 
 
 def test_replies_decoded_in_one_batch_are_decoded_one_by_one(default_tiny_model):

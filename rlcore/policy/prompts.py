@@ -26,6 +26,8 @@ import threading
 from array import array
 from collections import OrderedDict
 
+from rlcore.policy.tiny import CHAT_TEMPLATE
+
 # The normalizers and pre-tokenizers that treat each piece of a split text alike.
 _PIECEWISE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
 _PIECEWISE_PRE_TOKENIZERS = {
@@ -298,6 +300,26 @@ def _message_key(message) -> tuple | None:
     return items
 
 
+def render_builtin_chatml(messages) -> str | None:
+    """The built-in template's (tiny.CHAT_TEMPLATE) text of `messages` with a generation
+    prompt, without Jinja, where every message is plain (a dict of a string role and a
+    string content, nothing else): each renders as `<|im_start|>ROLE\nCONTENT<|im_end|>\n`
+    (no tools block, no tool calls). None where a message is not plain, or there are none
+    (apply_chat_template refuses an empty conversation)."""
+    if not messages:
+        return None
+    parts = []
+    for message in messages:
+        if type(message) is not dict or len(message) != 2:
+            return None
+        role, content = message.get("role"), message.get("content")
+        if type(role) is not str or type(content) is not str:
+            return None
+        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
 class PromptRenderer:
     """`render(messages, tools)`: the chat template's text of `messages` with a generation
     prompt, as `tokenizer.apply_chat_template` gives it, rendering only the messages added
@@ -305,7 +327,10 @@ class PromptRenderer:
     (`message_local_problem`): the text of that conversation, kept without its generation
     prompt, plus the rendering of the new messages less the template's head. Messages with
     other than string fields (tool calls, content parts) are rendered whole each time.
-    Keeps at most `max_entries` conversations and `max_chars` characters of them."""
+    Keeps at most `max_entries` conversations and `max_chars` characters of them. With the
+    built-in template, plain conversations without tools skip Jinja altogether
+    (`render_builtin_chatml`: ~90 us a prompt through apply_chat_template, most of a large
+    batch's host time)."""
 
     # How many trailing messages a conversation may have gained since its last rendering:
     # a turn adds a reply and the env's answer (and perhaps a tool result or two).
@@ -316,6 +341,7 @@ class PromptRenderer:
         self.max_entries = max_entries
         self.max_chars = max_chars
         self.problem = message_local_problem(getattr(tokenizer, "chat_template", None))
+        self.builtin = getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE
         self._texts: OrderedDict[tuple, str] = OrderedDict()
         self._chars = 0
         # Per tools (as JSON): (head, generation prompt), or None where probing found the
@@ -323,6 +349,7 @@ class PromptRenderer:
         self._frames: dict[str, tuple[str, str] | None] = {}
         self._lock = threading.Lock()
         self.reused_messages = 0
+        self.builtin_rendered = 0
 
     def _apply(self, messages, tools, generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(
@@ -330,6 +357,11 @@ class PromptRenderer:
         )
 
     def render(self, messages: list, tools: list[dict] | None = None) -> str:
+        if self.builtin and not tools:
+            text = render_builtin_chatml(messages)
+            if text is not None:
+                self.builtin_rendered += 1
+                return text
         if self.problem is not None:
             return self._apply(messages, tools)
         keys = [_message_key(message) for message in messages]
