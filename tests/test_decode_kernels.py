@@ -3,13 +3,16 @@ biases, qwen3's per-head norms) against the engine's dynamic loop, and its fused
 kernels (decode_kernels, run by Triton's interpreter on the CPU) against its torch ops."""
 
 import asyncio
-import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from rlcore.policy import decode_kernels
 from rlcore.policy.local import LocalEngine
 from rlcore.types import SamplingParams
 
@@ -34,7 +37,7 @@ MODELS = {
 }
 
 
-def engines(model, tokenizer, kernels=None):
+def engines(model, tokenizer):
     dynamic = LocalEngine(model=model, tokenizer=tokenizer, name="dynamic", decode="dynamic")
     static = LocalEngine(model=model, tokenizer=tokenizer, name="static", decode="static")
     for engine in (dynamic, static):
@@ -74,35 +77,53 @@ def test_the_decode_step_matches_the_dynamic_loop_on_other_layouts(name, tokeniz
         assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
 
 
-@pytest.fixture
-def interpreted_kernels(monkeypatch):
-    """decode_kernels with Triton's interpreter (kernels run on CPU tensors)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(decode_kernels)
-    yield decode_kernels
-    monkeypatch.delenv("TRITON_INTERPRET")
-    importlib.reload(decode_kernels)
+def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
+    """Greedy and seeded replies of the static decoder with the Triton kernels and with its
+    torch ops, and the dynamic loop's. Runs in a process started with TRITON_INTERPRET=1
+    (the interpreter must be chosen before Triton is first imported)."""
+    from transformers import AutoTokenizer
 
-
-@pytest.mark.parametrize("name", ["qwen2 (grouped-query, q/k/v bias)", "tiny"])
-def test_the_fused_kernels_give_the_torch_ops_results(name, tokenizer, interpreted_kernels,
-                                                      default_tiny_model):  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     if name == "tiny":
-        model = AutoModelForCausalLM.from_pretrained(default_tiny_model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
     else:
         model = MODELS[name]()
     dynamic, static = engines(model.eval(), tokenizer)
-    expected = replies(dynamic, count=4)
-    got = replies(static, count=4)
-    assert static._static.kernels  # the interpreter made them available on the CPU
-    assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
-    for mine, theirs in zip(got, expected, strict=True):
-        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
-    # Sampled rows too: the same seeds draw the same tokens through kernels or torch ops.
+    expected, got = replies(dynamic, count=4), replies(static, count=4)
+    kernels = static._static.kernels
     sampled_kernels = replies(static, count=4, temperature=1.0)
     static._static.kernels = False
     sampled_torch = replies(static, count=4, temperature=1.0)
-    assert [g.completion_ids for g in sampled_kernels] == [g.completion_ids for g in sampled_torch]
+    gap = max(
+        abs(a - b)
+        for mine, theirs in zip(got, expected, strict=True)
+        for a, b in zip(mine.logprobs, theirs.logprobs, strict=True)
+    )
+    return {
+        "kernels": kernels,
+        "greedy_same": [g.completion_ids for g in got] == [g.completion_ids for g in expected],
+        "greedy_tokens": sum(len(g.completion_ids) for g in got),
+        "logprob_gap": gap,
+        "sampled_same": [g.completion_ids for g in sampled_kernels]
+        == [g.completion_ids for g in sampled_torch],
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen2 (grouped-query, q/k/v bias)", "tiny"])
+def test_the_fused_kernels_give_the_torch_ops_results(name, default_tiny_model):
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    child = subprocess.run(
+        [sys.executable, __file__, name, default_tiny_model],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["kernels"]  # the interpreter made them available on the CPU
+    assert result["greedy_same"] and result["greedy_tokens"] > 0
+    assert result["logprob_gap"] < 1e-4
+    assert result["sampled_same"]  # the same seeds draw the same tokens either way
 
 
 def test_the_kernels_are_refused_where_they_cannot_run(tokenizer):
@@ -110,3 +131,7 @@ def test_the_kernels_are_refused_where_they_cannot_run(tokenizer):
 
     with pytest.raises(ValueError, match="decode kernels cannot run"):
         StaticDecoder(model_of(Qwen2Config), [0], 0, use_graphs=False, kernels=True)
+
+
+if __name__ == "__main__":  # the child of test_the_fused_kernels_give_the_torch_ops_results
+    print(json.dumps(compare_kernels_with_torch_ops(sys.argv[1], sys.argv[2])))
