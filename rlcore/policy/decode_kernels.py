@@ -1,16 +1,12 @@
 """Two fused kernels (Triton) for the static decoder's captured step on a GPU.
 
-A captured decode step costs about its kernel count (a few microseconds each), so the
+A captured decode step costs about its kernel count (a few microseconds each), so the two
 stretches of a layer that torch runs as several small kernels are one kernel each here:
 - `rope_and_cache`: the rotary embedding of the step's queries and keys (from the
   decoder's table, by each row's position), the queries written out contiguous for
   attention, the keys and values written into the KV cache at the step's slot. In torch:
   two table lookups a step, then a multiply, a roll, a fused multiply-add, a copy of the
   queries and two cache writes a layer.
-- `decode_attention`: one query token's attention over the cache (scores, mask, softmax
-  and the weighted values, read once per (row, kv head) for all the query heads sharing
-  it, online softmax over blocks of slots). In torch: a mask copy a step, then a batched
-  matrix product with the mask, a softmax and another batched product a layer.
 - `silu_and_mul`: the MLP's silu(gate) * up from the stacked gate/up projection (two
   kernels in torch).
 Arithmetic in float32, rounded once to the model's dtype. Where Triton is missing (the CPU
@@ -75,49 +71,6 @@ if triton is not None:
             tl.store(out, x.to(values.dtype.element_ty))
 
     @triton.jit
-    def _decode_attention_kernel(
-        query, keys, values, mask, out, cache_row_stride, cache_head_stride, mask_stride,
-        WIDTH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr,
-        GROUPS_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        group = tl.arange(0, GROUPS_PAD)
-        dims = tl.arange(0, DIM)
-        slots = tl.arange(0, BLOCK)
-        used = group < GROUPS
-        heads = kv_head * GROUPS + group
-        # The queries of the heads sharing this kv head (scaled already, by the rope table).
-        q = tl.load(
-            query + (row * HEADS + heads)[:, None] * DIM + dims[None, :], mask=used[:, None]
-        ).to(tl.float32)
-        cache = row * cache_row_stride + kv_head * cache_head_stride
-        top = tl.full((GROUPS_PAD,), -1.0e30, tl.float32)  # finite: no inf - inf
-        total = tl.zeros((GROUPS_PAD,), tl.float32)
-        acc = tl.zeros((GROUPS_PAD, DIM), tl.float32)
-        for start in range(0, WIDTH, BLOCK):  # WIDTH: a graph's attention width, one of few
-            inside = start + slots < WIDTH
-            where = cache + (start + slots)[:, None] * DIM + dims[None, :]
-            k = tl.load(keys + where, mask=inside[:, None], other=0.0).to(tl.float32)
-            bias = tl.load(
-                mask + row * mask_stride + start + slots, mask=inside, other=float("-inf")
-            )
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + bias.to(tl.float32)[None, :]
-            new_top = tl.maximum(top, tl.max(scores, axis=1))
-            weights = tl.exp(scores - new_top[:, None])
-            shrink = tl.exp(top - new_top)
-            v = tl.load(values + where, mask=inside[:, None], other=0.0).to(tl.float32)
-            acc = acc * shrink[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
-            total = total * shrink + tl.sum(weights, axis=1)
-            top = new_top
-        result = acc / total[:, None]
-        tl.store(
-            out + (row * HEADS + heads)[:, None] * DIM + dims[None, :],
-            result.to(out.dtype.element_ty),
-            mask=used[:, None],
-        )
-
-    @triton.jit
     def _silu_and_mul_kernel(gate_up, row_stride, out, width, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -140,21 +93,6 @@ def rope_and_cache(qkv, cos, sin, positions, slot, keys, values, heads: int, kv_
         keys.stride(0), keys.stride(1), HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
     )  # fmt: skip
     return query
-
-
-def decode_attention(query, keys, values, mask, width: int, kv_heads: int):
-    """Attention of one query token per row: `query` [rows, heads, dim] (scaled), over the
-    first `width` slots of `keys`/`values` ([rows, kv heads, slots, dim]) with the additive
-    `mask` ([rows, slots], 0 or -inf); [rows, heads x dim]."""
-    rows, heads, dim = query.shape
-    groups = heads // kv_heads
-    out = torch.empty((rows, heads * dim), dtype=query.dtype, device=query.device)
-    _decode_attention_kernel[(rows, kv_heads)](
-        query, keys, values, mask, out, keys.stride(0), keys.stride(1), mask.stride(0),
-        WIDTH=width, HEADS=heads, KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=triton.next_power_of_2(groups),
-        DIM=dim, BLOCK=32,
-    )  # fmt: skip
-    return out
 
 
 def silu_and_mul(gate_up):

@@ -380,8 +380,8 @@ class StaticDecoder:
         # key and value once, in two batched matrix products (not SDPA: its fused kernels
         # tile for long queries and ran several times slower than the bytes allow on
         # one-token queries, H200).
+        mask = ws.mask[:rows, None, :width].repeat_interleave(kv_heads, dim=0)
         if not self.kernels:
-            mask = ws.mask[:rows, None, :width].repeat_interleave(kv_heads, dim=0)
             cos = ws.rope_cos.index_select(0, ws.positions[:rows])
             sin = ws.rope_sin.index_select(0, ws.positions[:rows])
         hidden = inner.embed_tokens(ws.tokens[:rows])
@@ -400,17 +400,13 @@ class StaticDecoder:
                     2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
                 )
                 query = qk[:, :heads]
-            if self.kernels:
-                attended = decode_kernels.decode_attention(
-                    query, ws.keys[index], ws.values[index], ws.mask, width, kv_heads
-                )
-            else:
-                query = query.reshape(rows * kv_heads, groups, dim)
-                keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
-                values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
-                weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
-                attended = torch.bmm(weights, values).view(rows, heads * dim)
-            hidden = _add_linear(hidden, attended, attention.o_proj)
+            query = query.reshape(rows * kv_heads, groups, dim)
+            keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+            values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+            weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
+            hidden = _add_linear(
+                hidden, torch.bmm(weights, values).view(rows, heads * dim), attention.o_proj
+            )
             gate_up = F.linear(
                 _rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up, fused.gate_up_bias
             )
