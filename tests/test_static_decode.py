@@ -265,3 +265,35 @@ def test_an_unknown_decode_loop_is_named(engines):
     with pytest.raises(PolicyError, match="decode must be one of auto, static, dynamic"):
         LocalEngine(model=dynamic.model, tokenizer=dynamic.tokenizer, decode="graph")
     assert dynamic.max_batch_size == 64  # the CPU keeps small batches
+
+
+def test_the_two_level_draw_over_a_large_vocabulary_is_the_full_cumulative_draw():
+    """inverse_cdf over 16,384 tokens (blocks, then one block) picks what a full cumulative
+    sum picks, but for float rounding at a boundary, and draws from the distribution."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = 16_384
+    assert vocab % static_decode.SAMPLE_BLOCK == 0 and vocab >= 64 * static_decode.SAMPLE_BLOCK
+    agree = total = 0
+    for _ in range(40):
+        probabilities = torch.softmax(torch.randn(64, vocab, generator=generator) * 3, dim=-1)
+        uniforms = torch.rand(64, generator=generator)
+        cumulative = probabilities.cumsum(-1)
+        full = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None], right=True)
+        agree += (static_decode.inverse_cdf(probabilities, uniforms) == full).sum().item()
+        total += 64
+    assert agree >= 0.995 * total
+    # One distribution, 20,000 draws: the randomized probability integral transform is
+    # uniform (Kolmogorov-Smirnov at the 1 % level).
+    probabilities = torch.softmax(torch.randn(vocab, generator=generator) * 2, dim=-1)
+    draws = 20_000
+    tokens = static_decode.inverse_cdf(
+        probabilities.expand(draws, vocab), torch.rand(draws, generator=generator)
+    )[:, 0]
+    below = probabilities.cumsum(-1) - probabilities
+    transformed = below[tokens] + torch.rand(draws, generator=generator) * probabilities[tokens]
+    assert kolmogorov_distance(transformed) < 1.63 / math.sqrt(draws)
+    skewed = static_decode.inverse_cdf(
+        probabilities.expand(draws, vocab), torch.rand(draws, generator=generator) ** 1.1
+    )[:, 0]
+    transformed = below[skewed] + torch.rand(draws, generator=generator) * probabilities[skewed]
+    assert kolmogorov_distance(transformed) > 1.63 / math.sqrt(draws)  # the check has teeth

@@ -52,6 +52,8 @@ LENGTH_STEP = 128
 CHECK_EVERY = 8
 # Prompt tokens (rows x length) in one prefill chunk, bounding its activations.
 PREFILL_TOKENS = 1 << 16
+# Tokens per block of the two-level draw over large vocabularies (inverse_cdf).
+SAMPLE_BLOCK = 128
 # Share of the free GPU memory a generation's static buffers may take; larger batches are
 # served in several rounds.
 MEMORY_SHARE = 0.5
@@ -107,6 +109,27 @@ def counter_uniforms(seeds: torch.Tensor, counter: torch.Tensor) -> torch.Tensor
     return (mixed >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def inverse_cdf(probabilities: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row ([rows, 1]), the first token whose cumulative probability exceeds the row's
+    uniform times the row's total. A vocabulary of many blocks of SAMPLE_BLOCK tokens is
+    searched in two levels, block totals then one block's tokens, so no full-width
+    cumulative sum is written (over 151,936 tokens at 256 rows the sum alone took 0.3 ms of
+    a 3 ms decode step on an H200); the same draw up to float rounding."""
+    rows, vocab = probabilities.shape
+    if vocab % SAMPLE_BLOCK or vocab < 64 * SAMPLE_BLOCK:
+        cumulative = probabilities.cumsum(dim=-1)
+        targets = (uniforms * cumulative[:, -1])[:, None]
+        return torch.searchsorted(cumulative, targets, right=True).clamp(max=vocab - 1)
+    blocks = probabilities.view(rows, vocab // SAMPLE_BLOCK, SAMPLE_BLOCK)
+    totals = blocks.sum(dim=-1).cumsum(dim=-1)
+    targets = (uniforms * totals[:, -1])[:, None]
+    block = torch.searchsorted(totals, targets, right=True).clamp(max=totals.shape[1] - 1)
+    before = torch.where(block > 0, totals.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, SAMPLE_BLOCK))[:, 0]
+    within = torch.searchsorted(inside.cumsum(dim=-1) + before, targets, right=True)
+    return block * SAMPLE_BLOCK + within.clamp(max=SAMPLE_BLOCK - 1)
+
+
 def sample_tokens(logits, temperature, top_p, uniforms, greedy: bool = True):
     """One token per row and its log-probability, given one uniform per row.
 
@@ -127,11 +150,7 @@ def sample_tokens(logits, temperature, top_p, uniforms, greedy: bool = True):
         probabilities = probabilities.masked_fill(outside, 0.0)
     else:
         order = None
-    cumulative = probabilities.cumsum(dim=-1)
-    targets = uniforms * cumulative[:, -1]
-    choice = torch.searchsorted(cumulative, targets[:, None], right=True).clamp(
-        max=logits.shape[-1] - 1
-    )
+    choice = inverse_cdf(probabilities, uniforms)
     tokens = (order.gather(1, choice) if order is not None else choice)[:, 0]
     if greedy:
         tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
