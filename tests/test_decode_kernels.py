@@ -126,7 +126,7 @@ def test_the_fused_kernels_give_the_torch_ops_results(name, default_tiny_model):
     assert result["sampled_same"]  # the same seeds draw the same tokens either way
 
 
-def test_the_kernels_are_refused_where_they_cannot_run(tokenizer):
+def test_the_kernels_are_refused_where_they_cannot_run():
     from rlcore.policy.static_decode import StaticDecoder
 
     with pytest.raises(ValueError, match="decode kernels cannot run"):
