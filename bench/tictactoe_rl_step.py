@@ -2,7 +2,8 @@
 into rollout / scoring / train, on one device in one process.
 
     python bench/tictactoe_rl_step.py [--device auto] [--games 64,256,1024] [--steps 3]
-        [--micro-batch-size 128] [--profile] [--all-trained]
+        [--micro-batch-size 128] [--profile] [--all-trained] [--no-prefix-store]
+        [--max-batch-size N]
 
 The step is `run_rl`'s (rlcore/train/grpo.py) written out with a clock between its parts,
 on the built-in tiny model (untrained: replies run to `max_tokens` more often than a
@@ -16,7 +17,11 @@ reply, games of up to 6 turns from 2 opening moves):
   reads.
 The untrained model's games rarely differ within a group, so most advantages are 0 and
 little is trained; `--all-trained` gives every rollout an advantage of +1 or -1 (alternating)
-so the train column measures a step that trains on every sequence. The first step of each size (graph capture, allocator warm-up) is not timed; figures are
+so the train column measures a step that trains on every sequence. The `reused` column is
+the share of prompt tokens whose keys and values came from the engine's prefix store (a
+turn starting from its conversation's previous turn); `--no-prefix-store` turns the store
+off. `--max-batch-size` caps the engine's batch (default: every concurrent turn of the step
+in one batch). The first step of each size (graph capture, allocator warm-up) is not timed; figures are
 medians of `--steps` steps. `--profile` runs one more step of the largest size under the
 torch profiler and prints its top operators. Writes bench/results/tictactoe_rl_step_<device>.json.
 """
@@ -90,6 +95,8 @@ def run_size(
     micro_batch_size: int,
     profile: bool,
     all_trained: bool,
+    prefix_store: bool = True,
+    max_batch_size: int | None = None,
 ):
     """Per-step seconds (rollout, scoring, train) at `games` games a step."""
     with tempfile.TemporaryDirectory() as output_dir:
@@ -101,7 +108,15 @@ def run_size(
     model.eval()
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, steps + 2)
     sampler = StratifiedSampler(env, cfg.seed, games // cfg.rollouts_per_example)
-    engine = LocalEngine(None, model=model, tokenizer=tokenizer, name="policy")
+    engine = LocalEngine(
+        None,
+        model=model,
+        tokenizer=tokenizer,
+        name="policy",
+        prefix_cache_bytes=None if prefix_store else 0,
+        max_batch_size=max_batch_size,
+    )
+    store = engine.prefix_cache
     learner = Learner(
         model, None, optimizer, scheduler, tokenizer.pad_token_id, device, lambda: False
     )
@@ -110,6 +125,7 @@ def run_size(
 
     def one_step() -> dict:
         batches, tokens = engine.batches_run, engine.tokens_generated
+        looked_up, reused = (store.tokens_looked_up, store.tokens_reused) if store else (0, 0)
         started = time.perf_counter()
         rollouts = loop.run_until_complete(
             run_rollouts(
@@ -151,6 +167,9 @@ def run_size(
             "sequences": len(sequences),
             "trained_tokens": sum(s.trained_tokens for s in sequences),
             "padding": padding_share(chunks),
+            "reused": (store.tokens_reused - reused) / max(store.tokens_looked_up - looked_up, 1)
+            if store
+            else 0.0,
         }
 
     try:
@@ -189,6 +208,7 @@ def run_size(
             "sequences",
             "trained_tokens",
             "padding",
+            "reused",
         )  # fmt: skip
     }
     summary |= {"games": games, "decode": engine.decode, "max_batch_size": engine.max_batch_size}
@@ -205,6 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--profile", action="store_true", help="profile one step (largest)")
     parser.add_argument("--all-trained", action="store_true", help="advantage +-1 on every rollout")
+    parser.add_argument(
+        "--no-prefix-store", action="store_true", help="every turn prefills its whole prompt"
+    )
+    parser.add_argument(
+        "--max-batch-size", type=int, default=None, help="engine batch cap (default: the engine's)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", default=None, help="JSON path (default by device)")
     args = parser.parse_args(argv)
@@ -228,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
             args.micro_batch_size,
             args.profile and games == sizes[-1],
             args.all_trained,
+            not args.no_prefix_store,
+            args.max_batch_size,
         )
         summaries.append(summary)
         details[games] = measured
@@ -238,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\ntic-tac-toe RL step, tiny model, {device} ({card}){trained}")
     print(
         f"{'card':<22}{'games':>6}{'rollout s':>11}{'scoring s':>11}{'train s':>9}{'step s':>8}"
-        f"{'vs 64':>7}{'batches':>9}{'tokens':>9}{'games/s':>9}{'padding':>9}"
+        f"{'vs 64':>7}{'batches':>9}{'tokens':>9}{'games/s':>9}{'padding':>9}{'reused':>8}"
     )
     base = summaries[0]["step"]
     for s in summaries:
@@ -246,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{card[:21]:<22}{s['games']:>6}{s['rollout']:>11.2f}{s['scoring']:>11.3f}"
             f"{s['train']:>9.2f}{s['step']:>8.2f}{s['step'] / base:>6.2f}x"
             f"{s['engine_batches']:>9.0f}{s['tokens_generated']:>9.0f}"
-            f"{s['games'] / s['step']:>9.1f}{s['padding']:>9.1%}"
+            f"{s['games'] / s['step']:>9.1f}{s['padding']:>9.1%}{s['reused']:>8.1%}"
         )
         s["card"] = card
     if profile_table:
@@ -260,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "micro_batch_size": args.micro_batch_size,
         "all_trained": args.all_trained,
+        "prefix_store": not args.no_prefix_store,
         "summaries": summaries,
         "steps": details,
         "profile": profile_table,

@@ -1,10 +1,12 @@
 """The local engine's KV caches: a conversation's next turn starts from the stored keys and
-values of the turns before (same replies, same logprobs, a fraction of the prefill), the
-store forgets what the weights no longer give and stays within its bytes, and the cache
-that grows in place decodes exactly what `DynamicCache`'s copying one does."""
+values of the turns before (same replies, same logprobs, a fraction of the prefill) in the
+dynamic loop and in the static decoder (run eagerly here), the store forgets what the
+weights no longer give and stays within its bytes, and the cache that grows in place
+decodes exactly what `DynamicCache`'s copying one does."""
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,8 +51,13 @@ def same_generations(left, right) -> None:
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
-def test_later_turns_reuse_the_earlier_turns_and_answer_the_same(default_tiny_model):
-    cached, plain = engine(default_tiny_model), engine(default_tiny_model, prefix_cache_bytes=0)
+LOOPS = pytest.mark.parametrize("decode", ["dynamic", "static"])
+
+
+@LOOPS
+def test_later_turns_reuse_the_earlier_turns_and_answer_the_same(default_tiny_model, decode):
+    cached = engine(default_tiny_model, decode=decode)
+    plain = engine(default_tiny_model, decode=decode, prefix_cache_bytes=0)
     assert plain.prefix_cache is None
     for turns in (1, 2, 3):
         # Several conversations at once, of different lengths, so rows of one batch reuse
@@ -66,8 +73,9 @@ def test_later_turns_reuse_the_earlier_turns_and_answer_the_same(default_tiny_mo
     assert store.tokens_reused > 0.5 * store.tokens_looked_up
 
 
-def test_a_retry_reuses_the_invalid_reply_it_follows(default_tiny_model):
-    policy = engine(default_tiny_model)
+@LOOPS
+def test_a_retry_reuses_the_invalid_reply_it_follows(default_tiny_model, decode):
+    policy = engine(default_tiny_model, decode=decode)
     first = run(policy, [history(1)])[0]
     retry = history(1) + [
         {"role": "assistant", "content": first.text},
@@ -81,8 +89,9 @@ def test_a_retry_reuses_the_invalid_reply_it_follows(default_tiny_model):
     assert reused >= len(first.prompt_ids) - 1
 
 
-def test_changed_weights_empty_the_store(default_tiny_model):
-    policy = engine(default_tiny_model)
+@LOOPS
+def test_changed_weights_empty_the_store(default_tiny_model, decode):
+    policy = engine(default_tiny_model, decode=decode)
     run(policy, [history(2)])
     assert policy.prefix_cache.entries
     with torch.no_grad():
@@ -90,7 +99,7 @@ def test_changed_weights_empty_the_store(default_tiny_model):
     hits = policy.prefix_cache.hits
     after = run(policy, [history(2)])
     assert policy.prefix_cache.hits == hits  # nothing stored under the old weights was used
-    fresh = engine(default_tiny_model, prefix_cache_bytes=0)
+    fresh = engine(default_tiny_model, decode=decode, prefix_cache_bytes=0)
     fresh.model.load_state_dict(policy.model.state_dict())
     same_generations(after, run(fresh, [history(2)]))
 
@@ -131,3 +140,46 @@ def test_the_growing_cache_decodes_what_the_copying_one_does(default_tiny_model)
     stored = engine(default_tiny_model)
     same_generations(run(stored, conversations, lengths), run(copying, conversations, lengths))
     assert len(stored.prefix_cache.entries) == 20
+
+
+def test_the_static_decoder_reuses_rows_stored_at_every_compaction(default_tiny_model):
+    cached = engine(default_tiny_model, decode="static")
+    plain = engine(default_tiny_model, decode="static", prefix_cache_bytes=0)
+    # Rows finishing at different lengths leave the workspace at different compactions, each
+    # batch of leavers stored from its own snapshot of the cache.
+    lengths = [SamplingParams(temperature=1.0, max_tokens=2 + 3 * i, seed=i) for i in range(20)]
+    first = run(cached, [history(1, index) for index in range(20)], lengths)
+    assert cached._static.compactions > 0
+    store = cached.prefix_cache
+    assert len({id(entry.kv.snapshot) for entry in store.entries.values()}) > 1
+    follow = [
+        history(1, index) + [
+            {"role": "assistant", "content": generation.text},
+            {"role": "user", "content": "Your move was noted. Next board: X.O.X.O.."},
+        ]
+        for index, generation in enumerate(first)
+    ]  # fmt: skip
+    before = store.tokens_reused
+    same_generations(run(cached, follow, lengths), run(plain, follow, lengths))
+    assert store.tokens_reused - before >= sum(len(g.prompt_ids) - 1 for g in first)
+
+
+def test_prefix_hashes_are_the_polynomial_of_each_blocks_prefix():
+    from rlcore.policy.kv_cache import _BASE
+
+    store, rng = PrefixCache(), np.random.default_rng(0)
+    for length in (0, 15, 16, 17, 100, 700):
+        tokens = rng.integers(0, 200_000, length)
+        expected, value = [], 0
+        for count, token in enumerate(tokens.tolist(), start=1):
+            value = (value * _BASE + token + 1) % 2**64
+            if count % PrefixCache.BLOCK == 0:
+                expected.append(value)
+        assert store._hashes(tokens) == expected
+    # One token changed changes the hash of every prefix holding it and no other.
+    tokens = rng.integers(0, 200_000, 64)
+    changed = tokens.copy()
+    changed[40] += 1
+    assert [a == b for a, b in zip(store._hashes(tokens), store._hashes(changed), strict=True)] == [
+        True, True, False, False,
+    ]  # fmt: skip

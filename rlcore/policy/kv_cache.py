@@ -22,11 +22,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+# The prefix hash's base (odd, so invertible modulo 2**64) and its inverse.
+_BASE = 0x100000001B3
+_INVERSE = pow(_BASE, -1, 2**64)
 
 # The default bound: the tiny model keeps ~4 KB a token, so this holds ~130 games of ~500
 # tokens; a 0.5 B model in bf16 ~12 KB a token.
@@ -36,7 +41,9 @@ DEFAULT_MAX_BYTES = 512 * 2**20
 @dataclass
 class PrefixEntry:
     tokens: np.ndarray  # int64 [n]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv heads, n, head dim]
+    # Where the keys and values are: for the dynamic loop, per layer (keys, values) [kv heads,
+    # n, head dim]; the static decoder stores its own handle (static_decode._Stored).
+    kv: Any
     nbytes: int
     hashes: list[int]  # PrefixCache._hashes(tokens)
 
@@ -57,10 +64,14 @@ class PrefixCache:
     and values. Not thread-safe: the engine calls it from its one generation thread.
     `hits`, `tokens_reused` and `tokens_looked_up` count what it saved.
 
-    Entries are found through the hashes of their prefixes at every BLOCK tokens (each
-    hash chains the one before), so a lookup costs a few dictionary reads whatever the
-    number of entries (a scan of every entry cost seconds a step at 256 games); the
-    entry found is then compared token by token, so its reuse may run past the block."""
+    Entries are found through the hashes of their prefixes at every BLOCK tokens, so a
+    lookup costs a few dictionary reads whatever the number of entries (a scan of every
+    entry cost seconds a step at 256 games); the entry found is then compared token by
+    token, so a hash collision costs reuse, never correctness, and reuse may run past the
+    block. The hash of a prefix is polynomial in its tokens modulo 2**64, all of a
+    prompt's prefixes computed in a few numpy operations (a chain of Python tuple hashes
+    took ~40 us a prompt, most of the store's cost at 1,024 games a step).
+    """
 
     BLOCK = 16
 
@@ -72,6 +83,8 @@ class PrefixCache:
         self.version: tuple | None = None
         self._next_key = 0
         self.hits = self.tokens_reused = self.tokens_looked_up = 0
+        self._powers = np.ones(1, dtype=np.uint64)  # _BASE ** i
+        self._inverse_powers = np.ones(1, dtype=np.uint64)  # _BASE ** -i
 
     def check_weights(self, model) -> None:
         """Empty the cache if the weights changed since its entries were computed."""
@@ -85,18 +98,39 @@ class PrefixCache:
         self.index.clear()
         self.bytes = 0
 
-    def _hashes(self, tokens: list[int]) -> list[int]:
-        """The hash of tokens[:BLOCK * (i + 1)] for each whole block i."""
-        hashes, chained = [], 0
-        for start in range(0, len(tokens) - self.BLOCK + 1, self.BLOCK):
-            chained = hash((chained, tuple(tokens[start : start + self.BLOCK])))
-            hashes.append(chained)
-        return hashes
+    def _grow_powers(self, length: int) -> None:
+        if len(self._powers) > length:
+            return
+        size = max(length + 1, 2 * len(self._powers))
+        with np.errstate(over="ignore"):  # arithmetic modulo 2**64 is the point
+            self._powers, self._inverse_powers = (
+                np.cumprod(np.full(size, base, dtype=np.uint64), dtype=np.uint64)
+                for base in (_BASE, _INVERSE)
+            )
+        one = np.ones(1, dtype=np.uint64)
+        self._powers = np.concatenate((one, self._powers[:-1]))  # BASE ** i from i = 0
+        self._inverse_powers = np.concatenate((one, self._inverse_powers[:-1]))
 
-    def _longest(self, tokens: list[int]) -> tuple[int | None, int]:
-        """The stored entry sharing the longest prefix with `tokens`, and its length."""
-        array = np.asarray(tokens, dtype=np.int64)
-        for chained in reversed(self._hashes(tokens)):
+    def _hashes(self, tokens: np.ndarray) -> list[int]:
+        """The hash of tokens[:BLOCK * (i + 1)] for each whole block i: sum over k < n of
+        (token k + 1) * BASE ** (n - 1 - k) modulo 2**64, as BASE ** (n - 1) times a
+        cumulative sum of (token k + 1) * BASE ** -k."""
+        blocks = len(tokens) // self.BLOCK
+        if not blocks:
+            return []
+        length = blocks * self.BLOCK
+        self._grow_powers(length)
+        with np.errstate(over="ignore"):
+            weighted = (tokens[:length].astype(np.uint64) + np.uint64(1)) * self._inverse_powers[
+                :length
+            ]
+            sums = np.cumsum(weighted, dtype=np.uint64)[self.BLOCK - 1 :: self.BLOCK]
+            return (sums * self._powers[self.BLOCK - 1 : length : self.BLOCK]).tolist()
+
+    def _longest(self, array: np.ndarray, hashes: list[int]) -> tuple[int | None, int]:
+        """The stored entry sharing the longest prefix with `array` (whose block hashes are
+        `hashes`), and its length."""
+        for chained in reversed(hashes):
             key = self.index.get(chained)
             if key in self.entries:
                 return key, common_prefix(self.entries[key].tokens, array)
@@ -106,7 +140,8 @@ class PrefixCache:
         """The entry sharing the longest prefix with `prompt_ids`, and how many tokens of it
         to reuse: at most all but the prompt's last token (whose logits start the reply)."""
         self.tokens_looked_up += len(prompt_ids)
-        key, shared = self._longest(prompt_ids)
+        array = np.asarray(prompt_ids, dtype=np.int64)
+        key, shared = self._longest(array, self._hashes(array))
         shared = min(shared, len(prompt_ids) - 1)
         if key is None or shared < 1:
             return None, 0
@@ -115,17 +150,21 @@ class PrefixCache:
         self.tokens_reused += shared
         return self.entries[key], shared
 
-    def add(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
-        hashes = self._hashes(tokens)
+    def add(self, tokens: list[int], kv: Any, nbytes: int | None = None) -> None:
+        """Store `tokens` with their keys and values `kv`: per layer (keys, values), whose
+        size is counted, or any handle with its size given as `nbytes`."""
+        if nbytes is None:
+            nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        array = np.asarray(tokens, dtype=np.int64)
+        hashes = self._hashes(array)
         if not hashes or nbytes > self.max_bytes:
             return  # shorter than a block: nothing a lookup could find
-        earlier, shared = self._longest(tokens)
+        earlier, shared = self._longest(array, hashes)
         if earlier is not None and shared == len(self.entries[earlier].tokens):
             self._drop(earlier)  # the same conversation, one turn earlier
         key = self._next_key
         self._next_key += 1
-        self.entries[key] = PrefixEntry(np.asarray(tokens, dtype=np.int64), kv, nbytes, hashes)
+        self.entries[key] = PrefixEntry(array, kv, nbytes, hashes)
         self.index.update(dict.fromkeys(hashes, key))
         self.bytes += nbytes
         while self.bytes > self.max_bytes:

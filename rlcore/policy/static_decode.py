@@ -36,11 +36,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rlcore.policy import decode_kernels
 from rlcore.policy.base import StopRequested
+from rlcore.policy.kv_cache import PrefixCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Row counts a graph is captured for: a batch runs in the smallest bucket that holds it, so
@@ -169,6 +171,37 @@ class DecodeRequest:
     max_new_tokens: int
 
 
+@dataclass
+class _Snapshot:
+    """A copy of some rows' keys and values taken when they left the workspace
+    ([layers, rows, kv heads, slots, head dim]); prefix-store entries point into it."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class _Stored:
+    """A prefix-store entry's keys and values: `snapshot` row `row`, from slot `start`."""
+
+    snapshot: _Snapshot
+    row: int
+    start: int
+
+
+@dataclass
+class _Round:
+    """One round's requests and where their rows are: prompts end at slot `prompt` (the
+    first reply token's), a row's begins at `first[row]`; `owner[row]` is the request a
+    workspace row serves (None: a rider), `results` what was collected so far."""
+
+    requests: list[DecodeRequest]
+    prompt: int
+    first: torch.Tensor
+    owner: list[int | None]
+    results: list
+
+
 class _Workspace:
     """The static buffers one or more graphs read and write: KV cache, attention mask, the
     rotary table, per-row state and outputs. Graphs hold their addresses, so they live as
@@ -291,11 +324,13 @@ class StaticDecoder:
     """Batched generation over a static KV cache, the decode step replayed as a CUDA graph
     (`use_graphs`; eager otherwise). `kernels`: the step's rotary/cache writes and silu-gate
     through decode_kernels' fused kernels (None: wherever they can run, i.e. on CUDA with
-    Triton installed). `captures`, `compactions` and `rounds` count what it did, for tests
-    and benchmarks."""
+    Triton installed). `prefixes`: a store of earlier prompts and replies (kv_cache.
+    PrefixCache) whose keys and values start later prompts that extend them, so a
+    conversation's next turn prefills only what it added. `captures`, `compactions` and
+    `rounds` count what it did, for tests and benchmarks."""
 
     def __init__(self, model, eos_token_ids, pad_token_id: int, *, use_graphs: bool,
-                 kernels: bool | None = None):  # fmt: skip
+                 kernels: bool | None = None, prefixes: PrefixCache | None = None):  # fmt: skip
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this model: {reason}")
@@ -311,6 +346,7 @@ class StaticDecoder:
         if kernels and why_not:
             raise ValueError(f"the decode kernels cannot run this model: {why_not}")
         self.kernels = why_not is None if kernels is None else kernels
+        self.prefixes = prefixes
         self.workspace: _Workspace | None = None
         self._fused: list[_FusedLayer] = []
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -345,21 +381,31 @@ class StaticDecoder:
             )  # fmt: skip
         return torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)
 
-    def _prefill(self, ws: _Workspace, start: int, ids, valid):
-        """Run prompt rows `start:start + len(ids)` (left-padded ids, valid mask [B, P]) into
-        the cache, with the decode step's fused weights; returns the last position's logits
-        and each row's next position."""
+    def _prefill(self, ws: _Workspace, start: int, ids, valid, first, width: int,
+                 keep: bool):  # fmt: skip
+        """Run prompt rows `start:start + len(ids)` into the cache. `ids` (valid mask [B, S])
+        are the prompts' last S tokens, left-padded, for slots width - S to width; a row's
+        prompt begins at slot `first` ([B]) and its slots before the block already hold
+        keys and values (a stored prefix). `keep`: the block's padding slots may hold such
+        keys too, so only valid tokens are written. Runs on the decode step's fused
+        weights; returns the last position's logits and each row's next position."""
         inner = self.model.model
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         batch, length = ids.shape
         rows = slice(start, start + batch)
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        cos, sin = ws.rope_cos[positions], ws.rope_sin[positions]  # [B, P, heads + kv, dim]
-        causal = torch.ones((length, length), dtype=torch.bool, device=ids.device).tril()
-        # A padding query attends to itself alone (never read later), so no row is all -inf.
-        eye = torch.eye(length, dtype=torch.bool, device=ids.device)
-        mask = ((causal[None] & valid[:, None, :]) | eye[None])[:, None]
-        hidden = inner.embed_tokens(ids).flatten(0, 1)  # [B x P, hidden]
+        base = width - length
+        slots = torch.arange(base, width, device=ids.device)
+        positions = (slots[None] - first[:, None]).clamp(min=0)  # [B, S]
+        cos, sin = ws.rope_cos[positions], ws.rope_sin[positions]  # [B, S, heads + kv, dim]
+        cached = torch.arange(width, device=ids.device)
+        mask = (cached[None, None] >= first[:, None, None]) & (
+            cached[None, None] <= slots[None, :, None]
+        )  # [B, S, width]: the row's own slots up to the query's
+        # A padding query attends to its own slot alone (never read later), so no row is
+        # all -inf.
+        mask = (mask & valid[:, :, None]) | (cached[None, None] == slots[None, :, None])
+        mask = mask[:, None]
+        hidden = inner.embed_tokens(ids).flatten(0, 1)  # [B x S, hidden]
         for index, (layer, fused) in enumerate(zip(inner.layers, self._fused, strict=True)):
             attention = layer.self_attn
             qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
@@ -368,11 +414,12 @@ class StaticDecoder:
             key = qk[:, heads:]
             value = qkv[..., (heads + kv_heads) * dim :].unflatten(-1, (kv_heads, dim))
             value = value.transpose(1, 2)
-            ws.keys[index, rows, :, :length] = key
-            ws.values[index, rows, :, :length] = value
+            for cache, new in ((ws.keys, key), (ws.values, value)):
+                block = cache[index, rows, :, base:width]
+                block.copy_(torch.where(valid[:, None, :, None], new, block) if keep else new)
             out = F.scaled_dot_product_attention(
-                qk[:, :heads], key, value, attn_mask=mask, scale=1.0,
-                enable_gqa=heads != kv_heads,
+                qk[:, :heads], ws.keys[index, rows, :, :width], ws.values[index, rows, :, :width],
+                attn_mask=mask, scale=1.0, enable_gqa=heads != kv_heads,
             )  # fmt: skip
             hidden = _add_linear(
                 hidden, out.transpose(1, 2).flatten(0, 1).flatten(1), attention.o_proj
@@ -383,7 +430,7 @@ class StaticDecoder:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = _add_linear(hidden, layer.mlp.act_fn(gate) * up, layer.mlp.down_proj)
         last = hidden.view(batch, length, -1)[:, -1]
-        return self.model.lm_head(_rms_norm(inner.norm, last)), positions[:, -1] + 1
+        return self.model.lm_head(_rms_norm(inner.norm, last)), width - first
 
     def _decode_step(self, ws: _Workspace, rows: int, width: int, nucleus: bool,
                      greedy: bool) -> None:  # fmt: skip
@@ -584,6 +631,11 @@ class StaticDecoder:
         self._check_weights()
         drawn = torch.randint(0, 2**62, (len(requests),)).tolist()
         seeds = [r.seed if r.seed is not None else d for r, d in zip(requests, drawn, strict=True)]
+        if self.prefixes is not None:
+            self.prefixes.check_weights(self.model)
+            found = [self.prefixes.lookup(r.prompt_ids) for r in requests]
+        else:
+            found = [(None, 0)] * len(requests)
         longest = max(len(r.prompt_ids) for r in requests) + max(r.max_new_tokens for r in requests)
         length = -(-longest // LENGTH_STEP) * LENGTH_STEP
         per_round = self._rows_per_round(len(requests), length)
@@ -593,13 +645,16 @@ class StaticDecoder:
         for start in range(0, len(order), per_round):
             chosen = order[start : start + per_round]
             round_results = self._generate_round(
-                [requests[i] for i in chosen], [seeds[i] for i in chosen], should_stop
+                [requests[i] for i in chosen],
+                [seeds[i] for i in chosen],
+                [found[i] for i in chosen],
+                should_stop,
             )
             for index, result in zip(chosen, round_results, strict=True):
                 results[index] = result
         return results
 
-    def _generate_round(self, requests, seeds, should_stop):
+    def _generate_round(self, requests, seeds, found, should_stop):
         batch = len(requests)
         prompt = max(len(r.prompt_ids) for r in requests)
         most_new = max(r.max_new_tokens for r in requests)
@@ -624,36 +679,48 @@ class StaticDecoder:
         ws.stopped[:rows].zero_()
         ws.lengths[:rows].zero_()
         ws.step.zero_()
-        ws.mask[:rows].fill_(float("-inf"))
         nucleus = any(r.top_p < 1 for r in requests)
         greedy = any(r.temperature <= 0 for r in requests)
 
-        # Prefill in chunks of rows (left-padded to the round's longest prompt), then the
-        # first token of every row from the prompt's last logits.
-        ids = torch.full((rows, prompt), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((rows, prompt), dtype=torch.bool)
-        for row, request in enumerate(requests):
-            ids[row, prompt - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            valid[row, prompt - len(request.prompt_ids) :] = True
-        valid[batch:, -1] = True  # riders read one pad token
-        ids, valid = ids.to(device), valid.to(device)
-        chunk = max(1, PREFILL_TOKENS // prompt)
+        # Prompts are right-aligned at slot `prompt`; a row's stored prefix goes into its
+        # first slots and the rest of its prompt is prefilled in chunks of rows (left-padded
+        # to the round's longest rest), then the first token of every row from the prompt's
+        # last logits. Riders read one pad token.
+        first = [prompt - len(r.prompt_ids) for r in requests] + [prompt - 1] * (rows - batch)
+        reused = [n for _, n in found]
+        self._load_prefixes(ws, found, first)
+        rest = max(len(r.prompt_ids) - n for r, n in zip(requests, reused, strict=True))
+        ids = np.full((rows, rest), self.pad_token_id, dtype=np.int64)
+        valid = np.zeros((rows, rest), dtype=bool)
+        for row, (request, n) in enumerate(zip(requests, reused, strict=True)):
+            count = len(request.prompt_ids) - n
+            ids[row, rest - count :] = request.prompt_ids[n:]
+            valid[row, rest - count :] = True
+        valid[batch:, -1] = True
+        ids, valid = torch.from_numpy(ids).to(device), torch.from_numpy(valid).to(device)
+        first = torch.tensor(first, dtype=torch.long, device=device)
+        chunk = max(1, PREFILL_TOKENS // rest)
         logits, positions = [], []
         for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
             chunk_logits, chunk_positions = self._prefill(
-                ws, start, ids[start : start + chunk], valid[start : start + chunk]
+                ws, start, ids[part], valid[part], first[part], prompt, any(reused)
             )
             logits.append(chunk_logits)
             positions.append(chunk_positions)
-        ws.mask[:rows, :prompt].masked_fill_(valid, 0.0)
+        slots = torch.arange(ws.length, device=device)
+        ws.mask[:rows] = torch.where(
+            (slots[None] >= first[:, None]) & (slots[None] < prompt), 0.0, float("-inf")
+        )
         ws.positions[:rows] = torch.cat(positions)
         ws.slot.fill_(prompt)
         self._sample_and_record(ws, rows, torch.cat(logits), nucleus, greedy)
 
         # Decode: replay steps; every CHECK_EVERY steps look at which rows are done, stop
         # when all are, and move the live ones into a smaller bucket when they fit one.
-        owner = list(range(batch)) + [None] * (rows - batch)  # batch row -> request
-        results: list = [None] * batch
+        state = _Round(
+            requests, prompt, first, list(range(batch)) + [None] * (rows - batch), [None] * batch
+        )
         for step in range(1, most_new + 1):
             if step % CHECK_EVERY == 1 or step == most_new:
                 if should_stop is not None and should_stop():
@@ -667,34 +734,86 @@ class StaticDecoder:
                     break
                 smaller = row_bucket(len(live))
                 if smaller < rows:
-                    self._collect(ws, rows, step, owner, results, done)
+                    self._collect(ws, state, rows, step, done)
                     riders = [row for row in range(rows) if done[row]][: smaller - len(live)]
                     keep = sorted(live + riders)
-                    ws.compact(torch.tensor(keep, device=device), prompt + step)
+                    kept = torch.tensor(keep, device=device)
+                    ws.compact(kept, prompt + step)
                     # Riders were collected just now: nobody owns their tokens any more.
-                    owner = [None if done[row] else owner[row] for row in keep]
+                    state.owner = [None if done[row] else state.owner[row] for row in keep]
+                    state.first = state.first[kept]
                     rows = smaller
                     self.compactions += 1
             self._run_step(ws, rows, length_bucket(prompt + step, ws.length), nucleus, greedy)
-        self._collect(ws, rows, most_new, owner, results, None)
-        return results
+        self._collect(ws, state, rows, most_new, None)
+        return state.results
 
-    @staticmethod
-    def _collect(ws: _Workspace, rows: int, steps: int, owner, results, done) -> None:
-        """Copy out the finished rows (all rows when `done` is None) not yet collected."""
+    def _load_prefixes(self, ws: _Workspace, found, first: list[int]) -> None:
+        """Copy each row's stored prefix (`found`: (entry, tokens reused) per row) into its
+        first slots: one gather per layer for all the rows whose entries share a snapshot."""
+        by_snapshot: dict[int, list] = {}
+        for row, (entry, reused) in enumerate(found):
+            if entry is not None:
+                by_snapshot.setdefault(id(entry.kv.snapshot), []).append((row, entry.kv, reused))
+        device = ws.keys.device
+        for items in by_snapshot.values():
+            snapshot = items[0][1].snapshot
+            counts = np.array([reused for _, _, reused in items])
+            # Token k of the gather is token (k - offset) of its row's prefix.
+            within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            dst_rows, dst_slots, src_rows, src_slots = (
+                torch.from_numpy(array).to(device)
+                for array in (
+                    np.repeat([row for row, _, _ in items], counts),
+                    within + np.repeat([first[row] for row, _, _ in items], counts),
+                    np.repeat([stored.row for _, stored, _ in items], counts),
+                    within + np.repeat([stored.start for _, stored, _ in items], counts),
+                )
+            )
+            for cache, source in ((ws.keys, snapshot.keys), (ws.values, snapshot.values)):
+                for layer, stored in zip(cache, source, strict=True):
+                    layer[dst_rows, :, dst_slots] = stored[src_rows, :, src_slots]
+
+    def _collect(self, ws: _Workspace, state: _Round, rows: int, steps: int, done) -> None:
+        """Copy out the finished rows (all rows when `done` is None) not yet collected, and
+        store their prompts and replies in the prefix store."""
         tokens = ws.out_tokens[:rows, :steps].tolist()
         logprobs = ws.out_logprobs[:rows, :steps].tolist()
         lengths = ws.lengths[:rows].tolist()
         stopped = ws.stopped[:rows].tolist()
+        collected = []
         for row in range(rows):
-            request = owner[row]
-            if request is None or results[request] is not None:
+            request = state.owner[row]
+            if request is None or state.results[request] is not None:
                 continue
             if done is not None and not done[row]:
                 continue
             count = lengths[row]
-            results[request] = (
+            state.results[request] = (
                 tokens[row][:count],
                 logprobs[row][:count],
                 "stop" if stopped[row] else "length",
+            )
+            collected.append(row)
+        if self.prefixes is not None and collected:
+            self._remember(ws, state, collected)
+
+    def _remember(self, ws: _Workspace, state: _Round, collected: list[int]) -> None:
+        """Store rows `collected`: their prompts and replies but the last token (never fed),
+        whose keys and values are copied out of the workspace in one snapshot."""
+        requests = [state.owner[row] for row in collected]
+        fed = [max(len(state.results[request][0]) - 1, 0) for request in requests]
+        index = torch.tensor(collected, device=ws.keys.device)
+        width = state.prompt + max(fed)
+        snapshot = _Snapshot(
+            ws.keys[:, :, :, :width].index_select(1, index),
+            ws.values[:, :, :, :width].index_select(1, index),
+        )
+        share = (snapshot.keys.nbytes + snapshot.values.nbytes) // len(collected)
+        first = state.first[index].tolist()
+        for place, (request, count) in enumerate(zip(requests, fed, strict=True)):
+            self.prefixes.add(
+                state.requests[request].prompt_ids + state.results[request][0][:count],
+                _Stored(snapshot, place, first[place]),
+                nbytes=share,
             )
