@@ -234,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         "value, 0 otherwise) in each move's advantage; 0: outcome rewards only",
     )
     parser.add_argument(
+        "--rl-second-choice",
+        type=float,
+        default=0.0,
+        help="second_choice_weight: at each unsound move, the policy's choice among the other "
+        "legal moves, trained up with this advantage when the env judges it sound (0: off)",
+    )
+    parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
     parser.add_argument(
@@ -333,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             loss_aggregation=args.rl_aggregation,
             advantage=args.rl_advantage,
             turn_reward_weight=args.rl_turn_reward_weight,
+            second_choice_weight=args.rl_second_choice,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             num_iterations=args.rl_iterations,

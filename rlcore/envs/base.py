@@ -190,6 +190,20 @@ def example_seed(seed: int, index: int) -> int:
 # Environments
 
 
+@dataclass
+class DecisionOptions:
+    """A judged-unsound move of a reply and the other moves its position allowed (see
+    Environment.decision_options): `prefix` is the reply's text up to the move, `played`
+    the move's text, `others` the text of each other legal move, and `judge(option)` the
+    env's per-move verdict of one of `others` made in that position instead, on the scale
+    of `turn_rewards` (only the options a trainer tries are judged)."""
+
+    prefix: str
+    played: str
+    others: list[str]
+    judge: Callable[[str], float]
+
+
 class Environment(ABC):
     """An environment: dataset + rollout loop + rubric, configured by typed params."""
 
@@ -256,6 +270,14 @@ class Environment(ABC):
         itself (tic-tac-toe: whether each move kept the game-theoretic value), or None
         (the default) when the env judges only whole episodes. RL's `turn_reward_weight`
         credits each turn with its own reward on top of the episode's."""
+        return None
+
+    def decision_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
+        """For turn `turn` of a finished rollout (its reply's text `reply`) whose move the
+        env judged unsound: where the move sits in the reply and the other moves the
+        position allowed, each judged on request (see DecisionOptions). None for any other
+        turn, and (the default) from an env without per-move verdicts. RL's
+        `second_choice_weight` tries the policy's own next choice at such turns."""
         return None
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:

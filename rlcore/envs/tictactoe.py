@@ -28,11 +28,12 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlcore.envs.base import Fact, MultiTurnEnv, Param, example_seed
+from rlcore.envs.base import DecisionOptions, Fact, MultiTurnEnv, Param, example_seed
 from rlcore.envs.tictactoe_game import (
     EMPTY,
     REASONING_FORMATS,
     check_mark,
+    empty_cells,
     game_over,
     move_values,
     opponent_move,
@@ -500,6 +501,28 @@ class TicTacToeEnv(MultiTurnEnv):
             (1.0 if s is True else 0.0) + (bonus if t else 0.0)
             for s, t in zip(sound, thinks, strict=True)
         ]
+
+    def decision_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
+        """For a legal move the solver judged unsound: the reply up to its last `<move>`
+        tag, the cell played, and the board's other empty cells, each judged 1.0 if it keeps
+        the position's game-theoretic value (`sound_moves`) and 0.0 if not: the move part of
+        `turn_rewards` (the think bonus is the reply's either way)."""
+        sound = rollout.state.get("move_sound") or []
+        key = rollout.turns[turn].state_key if turn < len(rollout.turns) else None
+        if turn >= len(sound) or sound[turn] is not False or not key:
+            return None
+        board = key.split("/")[0]
+        cell, _ = parse_move(reply, board)
+        start = reply.rfind("<move>") + len("<move>")
+        if cell is None or reply[start : start + 1] != str(cell):
+            return None  # e.g. a padded tag ("<move> 4</move>"): no one-character move to swap
+        sound_cells = set(sound_moves(board, rollout.state["model_mark"]))
+        return DecisionOptions(
+            prefix=reply[:start],
+            played=str(cell),
+            others=[str(c) for c in empty_cells(board) if c != cell],
+            judge=lambda option: 1.0 if int(option) in sound_cells else 0.0,
+        )
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         source = rollout.info if "model_mark" in rollout.info else rollout.state

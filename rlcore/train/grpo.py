@@ -11,7 +11,8 @@ One step, as `run_rl` does it from top to bottom:
    own per-move verdicts with `turn_reward_weight`);
 4. build training sequences from each rollout's turns, with the token ids straight from
    generation, each token weighed in the loss's sum as `loss.aggregation` says
-   (`training_sequences`);
+   (`training_sequences`), and with `second_choice_weight` one more for each unsound move
+   whose second choice the env judged sound (`second_choice_sequences`);
 5. with several updates per batch or a KL term, recompute the old (and reference)
    logprobs in a no-grad pass; then `num_iterations` optimizer updates on `policy_loss`
    (grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
@@ -78,6 +79,7 @@ from rlcore.train.distributed import (
     placement_devices,
 )
 from rlcore.train.sampling import StratifiedSampler, rollout_sample
+from rlcore.train.second_choice import second_choice_sequences
 from rlcore.train.sequences import (
     TrainingSequence,
     collate,
@@ -98,12 +100,16 @@ RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "de
 # Advantages and the loss
 
 
-def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces):
+def step_sequences(
+    env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces, model=None
+):
     """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the advantage
     metrics). 3: advantages from the rubric's rewards (and the env's per-move verdicts).
-    4: training sequences, the sampled token ids, each token weighed in the loss. With the
-    collector's first threshold raised, as for the rollouts: a large step's millions of
-    token ids in lists made it collect over and over (bench/rl_host_overhead.py)."""
+    4: training sequences, the sampled token ids, each token weighed in the loss, and with
+    `second_choice_weight` the sound second choices at unsound moves (second_choice.py,
+    drawn from `model`). With the collector's first threshold raised, as for the rollouts:
+    a large step's millions of token ids in lists made it collect over and over
+    (bench/rl_host_overhead.py)."""
     aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     with fewer_collections:
         turn_advantages, advantage_metrics = step_advantages(env, rollouts, cfg)
@@ -115,6 +121,13 @@ def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tok
                 else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
             )
             sequences += training_sequences(rollout, advantages, aggregation, thinks)
+        if cfg.second_choice_weight > 0:
+            chosen, choice_metrics = second_choice_sequences(
+                env, rollouts, model, tokenizer, cfg.second_choice_weight,
+                cfg.sampling.temperature, pieces, cfg.micro_batch_size,
+            )  # fmt: skip
+            sequences += chosen
+            advantage_metrics |= choice_metrics
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
     return sequences, normalizer, advantage_metrics
 
@@ -452,6 +465,14 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             f"turn_reward_weight={cfg.turn_reward_weight} needs an env with per-turn rewards; "
             f"{env.name!r} judges whole episodes only (set turn_reward_weight = 0)"
         )
+    if cfg.second_choice_weight > 0 and (
+        type(env).decision_options is Environment.decision_options
+    ):
+        raise ValueError(
+            f"second_choice_weight={cfg.second_choice_weight} needs an env that judges moves "
+            f"one by one (Environment.decision_options); {env.name!r} does not "
+            "(set second_choice_weight = 0)"
+        )
     # Ranks must run an update's collectives together: only one process hears a stop
     # between its micro-batches.
     learner, tokenizer, state = build_learner(cfg, device, ranks.inside_step(sink.should_stop))
@@ -556,7 +577,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
 
             # 3-4. Advantages, and the training sequences they weigh.
             sequences, normalizer, advantage_metrics = step_sequences(
-                env, rollouts, cfg, tokenizer, pieces
+                env, rollouts, cfg, tokenizer, pieces, model
             )
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
