@@ -41,6 +41,7 @@ def second_choice_sequences(
     how many unsound moves had a second choice tried (`second_choice/tried`) and the share
     of those that were sound (`second_choice/sound_rate`)."""
     candidates = []  # (input ids up to the move, the turn's reply tail, option ids, options)
+    single: dict[str, int | None] = {}  # option text -> its one token id (None: not one)
     for rollout in rollouts:
         for index, turn in enumerate(rollout.turns):
             texts = token_pieces(turn.completion_ids, pieces, tokenizer)
@@ -48,7 +49,10 @@ def second_choice_sequences(
             if options is None:
                 continue
             at = _token_at(texts, options.prefix, options.played)
-            ids = [_single_token(tokenizer, text) for text in options.others]
+            for text in options.others:
+                if text not in single:
+                    single[text] = _single_token(tokenizer, text)
+            ids = [single[text] for text in options.others]
             if at is None or not ids or None in ids:
                 continue  # the move is not one token of its own: nothing to swap
             prefix = turn.prompt_ids + turn.completion_ids[:at]
