@@ -160,14 +160,18 @@ def test_every_field_is_documented_and_to_dict_round_trips(cls):
         ("sft", SFTConfig),
         ("rl", RLConfig),
         ("rl_sound", RLConfig),
+        ("rl_gpu", RLConfig),
         ("eval", EvalConfig),
     ],
 )
 def test_the_tictactoe_tiny_recipes_load(name, cls):
     cfg = load_config(cls, RECIPES / f"{name}.toml")
     assert cfg.env == "tictactoe" if name != "sft" else cfg.model == "tiny"
-    if name == "rl_sound":
+    if name in ("rl_sound", "rl_gpu"):
         assert cfg.turn_reward_weight > 0 and not cfg.loss.train_think
+    if name == "rl_gpu":  # the large-batch regime, every game of a step in one engine batch
+        assert cfg.second_choice_weight > 0 and cfg.batch_size >= 256
+        assert cfg.sampling.concurrency >= cfg.batch_size
     if name.startswith("rl"):
         assert cfg.model == load_config(SFTConfig, RECIPES / "sft.toml").output_dir + "/final"
         assert cfg.env_args["num_groups"] > 1
