@@ -87,7 +87,11 @@ def load_model(name: str, device: str, dtype):
 
 
 def engine_for(model, tokenizer, decode: str, ignore_eos: bool) -> LocalEngine:
-    engine = LocalEngine(model=model, tokenizer=tokenizer, name=decode, decode=decode)
+    # No prefix store: each repeat prefills its prompts again, as plain `generate` does (a
+    # repeat's prompts would otherwise come from the store, all but their last token).
+    engine = LocalEngine(
+        model=model, tokenizer=tokenizer, name=decode, decode=decode, prefix_cache_bytes=0
+    )
     engine.max_batch_size = 4096
     if ignore_eos:
         engine.eos_token_ids = set()
