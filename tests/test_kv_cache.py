@@ -183,3 +183,25 @@ def test_prefix_hashes_are_the_polynomial_of_each_blocks_prefix():
     assert [a == b for a, b in zip(store._hashes(tokens), store._hashes(changed), strict=True)] == [
         True, True, False, False,
     ]  # fmt: skip
+
+
+def test_the_static_store_bounds_the_snapshots_it_holds_not_only_its_entries(default_tiny_model):
+    policy = engine(default_tiny_model, decode="static")
+    decoder_store = policy.prefix_cache
+    lengths = [SamplingParams(temperature=0.0, max_tokens=2 + 5 * i) for i in range(8)]
+    run(policy, [history(1, index) for index in range(8)], lengths)
+    snapshots = policy._static._snapshots
+    assert len(snapshots) > 1  # rows left at different compactions
+    # Keep one entry of each snapshot, as when the other conversations went on (their
+    # entries superseded) and one game of each batch ended: each pins its whole snapshot.
+    kept = set()
+    for key, entry in list(decoder_store.entries.items()):
+        if id(entry.kv.snapshot) in kept:
+            decoder_store._drop(key)
+        kept.add(id(entry.kv.snapshot))
+    held = sum(s.nbytes for s in snapshots)
+    assert decoder_store.bytes < held / 2  # the entries' shares undercount what is held
+    decoder_store.max_bytes = held
+    run(policy, [history(2, index) for index in range(8, 16)], lengths)
+    assert sum(s.nbytes for s in snapshots) <= decoder_store.max_bytes
+    assert decoder_store.entries  # the newest stayed

@@ -1,6 +1,7 @@
-"""Keys and values for the local engine's dynamic loop: a cache that grows in place
-(`GrowingLayer`), and a store of recent prompts and replies (`PrefixCache`), kept between
-generations, so a request whose prompt begins with one of them prefills only the rest.
+"""Keys and values for the local engine: a cache that grows in place for the dynamic loop
+(`GrowingLayer`), and a store of recent prompts and replies (`PrefixCache`, used by the
+dynamic loop and the static decoder), kept between generations, so a request whose prompt
+begins with one of them prefills only the rest.
 
 A conversation re-sends everything said so far at every turn: the next move of a game, a
 retry after an invalid reply, a tool result. Without this cache every turn pays the whole
@@ -168,7 +169,11 @@ class PrefixCache:
         self.index.update(dict.fromkeys(hashes, key))
         self.bytes += nbytes
         while self.bytes > self.max_bytes:
-            self._drop(next(iter(self.entries)))
+            self.drop_oldest()
+
+    def drop_oldest(self) -> None:
+        """Drop the least recently used entry."""
+        self._drop(next(iter(self.entries)))
 
     def _drop(self, key: int) -> None:
         entry = self.entries.pop(key)

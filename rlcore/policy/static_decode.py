@@ -33,6 +33,7 @@ runs eagerly, which is how the CPU tests check it against the dynamic loop.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -171,13 +172,18 @@ class DecodeRequest:
     max_new_tokens: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Snapshot:
     """A copy of some rows' keys and values taken when they left the workspace
-    ([layers, rows, kv heads, slots, head dim]); prefix-store entries point into it."""
+    ([layers, rows, kv heads, slots, head dim]); prefix-store entries point into it, and it
+    lives as long as one of them does."""
 
     keys: torch.Tensor
     values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
 
 
 @dataclass
@@ -347,6 +353,7 @@ class StaticDecoder:
             raise ValueError(f"the decode kernels cannot run this model: {why_not}")
         self.kernels = why_not is None if kernels is None else kernels
         self.prefixes = prefixes
+        self._snapshots: weakref.WeakSet[_Snapshot] = weakref.WeakSet()  # those still held
         self.workspace: _Workspace | None = None
         self._fused: list[_FusedLayer] = []
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -809,7 +816,7 @@ class StaticDecoder:
             ws.keys[:, :, :, :width].index_select(1, index),
             ws.values[:, :, :, :width].index_select(1, index),
         )
-        share = (snapshot.keys.nbytes + snapshot.values.nbytes) // len(collected)
+        share = snapshot.nbytes // len(collected)
         first = state.first[index].tolist()
         for place, (request, count) in enumerate(zip(requests, fed, strict=True)):
             self.prefixes.add(
@@ -817,3 +824,12 @@ class StaticDecoder:
                 _Stored(snapshot, place, first[place]),
                 nbytes=share,
             )
+        # The store counts each entry's share of its snapshot, but a snapshot is freed only
+        # with its last entry: a few entries left of many snapshots (games that ended at
+        # different turns) would hold far more than the store counts. So the oldest entries
+        # go until the snapshots still held fit the store's bound too.
+        self._snapshots.add(snapshot)
+        while self.prefixes.entries and (
+            sum(held.nbytes for held in self._snapshots) > self.prefixes.max_bytes
+        ):
+            self.prefixes.drop_oldest()
