@@ -57,7 +57,7 @@ def second_choice_sequences(
                 continue  # the move is not one token of its own: nothing to swap
             prefix = turn.prompt_ids + turn.completion_ids[:at]
             candidates.append((prefix, turn.completion_ids[at + 1 :], ids, options))
-    sequences, sound = [], 0
+    sequences = []
     for start in range(0, len(candidates), rows_per_pass):
         chunk = candidates[start : start + rows_per_pass]
         logits = _last_logits(model, [prefix for prefix, *_ in chunk])
@@ -67,7 +67,6 @@ def second_choice_sequences(
             gain = options.judge(options.others[choice]) - options.judge(options.played)
             if gain <= 0:
                 continue
-            sound += 1
             input_ids = prefix + [ids[choice]] + tail
             trained = len(prefix)  # the position of the swapped move
             weights = [0.0] * len(input_ids)
@@ -76,7 +75,7 @@ def second_choice_sequences(
             sequences.append(TrainingSequence(input_ids, weights, advantages, None))
     metrics = {
         "second_choice/tried": float(len(candidates)),
-        "second_choice/sound_rate": sound / len(candidates) if candidates else 0.0,
+        "second_choice/sound_rate": len(sequences) / len(candidates) if candidates else 0.0,
     }
     return sequences, metrics
 
