@@ -25,7 +25,12 @@ SHAPE = dict(
 def model_of(config_class, **extra):
     torch.manual_seed(0)
     config = config_class(**SHAPE, vocab_size=300, **extra)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers starts biases at 0, which would test nothing
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.3)
+    return model
 
 
 MODELS = {
@@ -83,6 +88,11 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
     (the interpreter must be chosen before Triton is first imported)."""
     from transformers import AutoTokenizer
 
+    from rlcore.policy import decode_kernels
+
+    # The interpreter runs programs one at a time: split attention over 2 parts a row, not
+    # over the card's worth of programs (the parts themselves: test_decode_attention).
+    decode_kernels.ATTENTION_PROGRAMS = 8
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     if name == "tiny":
         model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
@@ -92,7 +102,7 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
     expected, got = replies(dynamic, count=4), replies(static, count=4)
     kernels = static._static.kernels
     sampled_kernels = replies(static, count=4, temperature=1.0)
-    static._static.kernels = False
+    static._static.kernels = static._static.kernel_attention = False
     sampled_torch = replies(static, count=4, temperature=1.0)
     gap = max(
         abs(a - b)
@@ -109,7 +119,9 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", ["qwen2 (grouped-query, q/k/v bias)", "tiny"])
+@pytest.mark.parametrize(
+    "name", ["qwen2 (grouped-query, q/k/v bias)", "llama (attention and MLP biases)", "tiny"]
+)
 def test_the_fused_kernels_give_the_torch_ops_results(name, default_tiny_model):
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -126,6 +138,69 @@ def test_the_fused_kernels_give_the_torch_ops_results(name, default_tiny_model):
     assert result["sampled_same"]  # the same seeds draw the same tokens either way
 
 
+def check_kernels_one_by_one() -> dict:
+    """The largest gap between each kernel and the torch ops it replaces, on random
+    float32 inputs (Triton's interpreter cannot multiply bfloat16 tiles; it multiplies
+    float32 tiles exactly, where a GPU's tl.dot would round them to tf32)."""
+    from rlcore.policy import decode_kernels
+
+    torch.manual_seed(0)
+    gaps = {}
+    # Attention: grouped and plain heads, split over several parts and in one program.
+    cases = {"split, grouped": (1, 14, 2, 64, 300, 288, 256), "split, plain": (3, 4, 4, 32, 64,
+             64, 256), "one part, grouped": (40, 8, 2, 16, 128, 96, 8)}  # fmt: skip
+    for case, (rows, heads, kv_heads, dim, length, width, programs) in cases.items():
+        decode_kernels.ATTENTION_PROGRAMS = programs
+        query = torch.randn(rows, heads, dim)
+        keys, values = torch.randn(2, rows + 1, kv_heads, length, dim)
+        mask = torch.full((rows + 1, length), float("-inf"))
+        for row in range(rows + 1):  # each row's tokens: a stretch ending at the width
+            mask[row, int(torch.randint(0, width - 1, ())) : width] = 0.0
+        got = {
+            dot: decode_kernels.decode_attention(query, keys, values, mask, width, dot=dot)
+            for dot in (True, False)
+        }
+        scores = torch.einsum("rhd,rhsd->rhs", query, keys[:rows, :, :width].repeat_interleave(
+            heads // kv_heads, dim=1)) + mask[:rows, None, :width]  # fmt: skip
+        expected = torch.einsum(
+            "rhs,rhsd->rhd", scores.softmax(-1),
+            values[:rows, :, :width].repeat_interleave(heads // kv_heads, dim=1),
+        )  # fmt: skip
+        for dot, out in got.items():
+            where = "tensor cores" if dot else "CUDA cores"
+            gaps[f"attention, {case}, {where}"] = (out - expected.flatten(1)).abs().max().item()
+    # The residual addition with a bias and the next norm.
+    norm = torch.nn.RMSNorm(48, eps=1e-6)
+    norm.variance_epsilon = norm.eps
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, bias, residual = torch.randn(5, 48), torch.randn(48), torch.randn(5, 48)
+    expected_residual = residual + (x + bias)
+    normed = decode_kernels.add_rms_norm(x, bias, residual, norm)
+    gaps["add_rms_norm, residual"] = (residual - expected_residual).abs().max().item()
+    gaps["add_rms_norm, norm"] = (normed - norm(expected_residual)).abs().max().item()
+    gate_up, bias = torch.randn(3, 40), torch.randn(40)
+    gate, up = (gate_up + bias).chunk(2, dim=-1)
+    got = decode_kernels.silu_and_mul(gate_up, bias)
+    gaps["silu_and_mul, bias"] = (got - torch.nn.functional.silu(gate) * up).abs().max().item()
+    return gaps
+
+
+def test_each_kernel_gives_its_torch_ops_result():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    child = subprocess.run(
+        [sys.executable, __file__, "one by one"], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    gaps = json.loads(child.stdout.strip().splitlines()[-1])
+    assert len(gaps) == 9
+    for name, gap in gaps.items():
+        assert gap < 1e-4, name
+
+
 def test_the_kernels_are_refused_where_they_cannot_run():
     from rlcore.policy.static_decode import StaticDecoder
 
@@ -133,5 +208,8 @@ def test_the_kernels_are_refused_where_they_cannot_run():
         StaticDecoder(model_of(Qwen2Config), [0], 0, use_graphs=False, kernels=True)
 
 
-if __name__ == "__main__":  # the child of test_the_fused_kernels_give_the_torch_ops_results
-    print(json.dumps(compare_kernels_with_torch_ops(sys.argv[1], sys.argv[2])))
+if __name__ == "__main__":  # the child of the tests above that need Triton's interpreter
+    if sys.argv[1] == "one by one":
+        print(json.dumps(check_kernels_one_by_one()))
+    else:
+        print(json.dumps(compare_kernels_with_torch_ops(sys.argv[1], sys.argv[2])))

@@ -1,15 +1,24 @@
-"""Two fused kernels (Triton) for the static decoder's captured step on a GPU.
+"""Fused kernels (Triton) for the static decoder's captured step on a GPU.
 
-A captured decode step costs about its kernel count (a few microseconds each), so the two
+A captured decode step costs about its kernel count (a few microseconds each), so the
 stretches of a layer that torch runs as several small kernels are one kernel each here:
-- `rope_and_cache`: the rotary embedding of the step's queries and keys (from the
-  decoder's table, by each row's position), the queries written out contiguous for
-  attention, the keys and values written into the KV cache at the step's slot. In torch:
-  two table lookups a step, then a multiply, a roll, a fused multiply-add, a copy of the
-  queries and two cache writes a layer.
-- `silu_and_mul`: the MLP's silu(gate) * up from the stacked gate/up projection (two
-  kernels in torch).
-Arithmetic in float32, rounded once to the model's dtype. Where Triton is missing (the CPU
+- `rope_and_cache`: the q/k/v projection's bias, the rotary embedding of the step's
+  queries and keys (from the decoder's table, by each row's position), the queries written
+  out contiguous for attention, the keys and values written into the KV cache at the
+  step's slot. In torch: the bias inside the product (a copy, then the product), two table
+  lookups a step, then a multiply, a roll, a fused multiply-add, a copy of the queries and
+  two cache writes a layer.
+- `silu_and_mul`: the MLP's bias and silu(gate) * up from the stacked gate/up projection
+  (two or three kernels in torch).
+- `add_rms_norm`: a projection's output (and bias) added into the residual stream in
+  place, and the sum's RMSNorm for the next projection: the residual addition inside the
+  product costs a copy and the product, the norm one more kernel.
+- `decode_attention`: one query token's attention over the static cache (flash-decoding:
+  the cache's width split over programs when rows are few, each with its own online
+  softmax, then one kernel combining the parts; a single kernel when rows fill the card).
+  In torch: the mask's copy, two batched products and a softmax a layer.
+Arithmetic in float32, rounded to the model's dtype where the model's own layers round (a
+projection's output with its bias, the residual sum, the normalised stream). Where Triton is missing (the CPU
 build of torch) the decoder keeps its torch ops; with TRITON_INTERPRET=1 these kernels run
 on the CPU, which is how the tests check them against the torch ops.
 """
@@ -43,18 +52,30 @@ if triton is not None:
 
     @triton.jit
     def _rope_and_cache_kernel(
-        qkv, qkv_row_stride, cos, sin, positions, slot, query, keys, values,
+        qkv, qkv_row_stride, bias, cos, sin, positions, slot, query, keys, values,
         cache_row_stride, cache_head_stride,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         head = tl.program_id(1)  # query heads, then key heads, then value heads
         offsets = tl.arange(0, DIM)
         source = qkv + row * qkv_row_stride + head * DIM
-        x = tl.load(source + offsets).to(tl.float32)
+        x = tl.load(source + offsets)
+        if HAS_BIAS:  # the projection's bias, rounded with its output as a linear layer's is
+            x = (x.to(tl.float32) + tl.load(bias + head * DIM + offsets).to(tl.float32)).to(
+                qkv.dtype.element_ty
+            )
+        x = x.to(tl.float32)
         place = tl.load(slot) * DIM + offsets
         if head < HEADS + KV_HEADS:
-            rolled = tl.load(source + (offsets + DIM // 2) % DIM).to(tl.float32)
+            rolled = tl.load(source + (offsets + DIM // 2) % DIM)
+            if HAS_BIAS:
+                rolled = (
+                    rolled.to(tl.float32)
+                    + tl.load(bias + head * DIM + (offsets + DIM // 2) % DIM).to(tl.float32)
+                ).to(qkv.dtype.element_ty)
+            rolled = rolled.to(tl.float32)
             table = (tl.load(positions + row) * (HEADS + KV_HEADS) + head) * DIM + offsets
             rotated = x * tl.load(cos + table).to(tl.float32) + rolled * tl.load(sin + table).to(
                 tl.float32
@@ -71,36 +92,235 @@ if triton is not None:
             tl.store(out, x.to(values.dtype.element_ty))
 
     @triton.jit
-    def _silu_and_mul_kernel(gate_up, row_stride, out, width, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(
+        gate_up, row_stride, bias, out, width, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr
+    ):
         row = tl.program_id(0)
         offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < width
-        gate = tl.load(gate_up + row * row_stride + offsets, mask=inside).to(tl.float32)
-        up = tl.load(gate_up + row * row_stride + width + offsets, mask=inside).to(tl.float32)
+        gate = tl.load(gate_up + row * row_stride + offsets, mask=inside)
+        up = tl.load(gate_up + row * row_stride + width + offsets, mask=inside)
+        if HAS_BIAS:
+            dtype = gate_up.dtype.element_ty
+            gate_bias = tl.load(bias + offsets, mask=inside).to(tl.float32)
+            up_bias = tl.load(bias + width + offsets, mask=inside).to(tl.float32)
+            gate = (gate.to(tl.float32) + gate_bias).to(dtype)
+            up = (up.to(tl.float32) + up_bias).to(dtype)
+        gate, up = gate.to(tl.float32), up.to(tl.float32)
         value = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out + row * width + offsets, value.to(out.dtype.element_ty), mask=inside)
 
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x, x_row_stride, bias, residual, weight, normed, width, eps,
+        BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        offsets = tl.arange(0, BLOCK)
+        inside = offsets < width
+        dtype = residual.dtype.element_ty
+        value = tl.load(x + row * x_row_stride + offsets, mask=inside, other=0.0)
+        if HAS_BIAS:
+            added = tl.load(bias + offsets, mask=inside, other=0.0).to(tl.float32)
+            value = (value.to(tl.float32) + added).to(dtype)
+        stream = residual + row * width + offsets
+        # The sum rounded to the stream's dtype, as the layer's `residual + out` is.
+        total = (tl.load(stream, mask=inside, other=0.0).to(tl.float32) + value.to(tl.float32)).to(
+            dtype
+        )
+        tl.store(stream, total, mask=inside)
+        total = total.to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(total * total, axis=0) / width + eps)
+        # As the Llama family's RMSNorm: normalised in float32, rounded, times the weight.
+        out = (total * scale).to(dtype).to(tl.float32) * tl.load(
+            weight + offsets, mask=inside, other=0.0
+        ).to(tl.float32)
+        tl.store(normed + row * width + offsets, out.to(dtype), mask=inside)
 
-def rope_and_cache(qkv, cos, sin, positions, slot, keys, values, heads: int, kv_heads: int):
+    @triton.jit
+    def _attention_part_kernel(
+        query, keys, values, mask, out, part_max, part_sum, part_acc, width, chunk,
+        cache_row_stride, cache_head_stride, mask_row_stride,
+        KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+        DIM: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    ):  # fmt: skip
+        pair = tl.program_id(0)  # row x kv head
+        part = tl.program_id(1)
+        row, head = pair // KV_HEADS, pair % KV_HEADS
+        groups = tl.arange(0, GROUPS_PAD)
+        dims = tl.arange(0, DIM)
+        heads = head * GROUPS + groups  # the query heads reading this kv head
+        q = tl.load(
+            query + (row * KV_HEADS * GROUPS + heads)[:, None] * DIM + dims[None, :],
+            mask=(groups < GROUPS)[:, None], other=0.0,
+        )  # fmt: skip
+        best = tl.full([GROUPS_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUPS_PAD], tl.float32)
+        acc = tl.zeros([GROUPS_PAD, DIM], tl.float32)
+        cache = row * cache_row_stride + head * cache_head_stride
+        begin = part * chunk
+        # A while loop: Triton's interpreter (the tests on the CPU) cannot run a for loop
+        # to a bound given at run time. Slots past `width` are masked out.
+        start = begin
+        while start < begin + chunk:
+            slots = start + tl.arange(0, BLOCK)
+            inside = slots < width
+            place = cache + slots[:, None] * DIM + dims[None, :]
+            k = tl.load(keys + place, mask=inside[:, None], other=0.0)
+            if DOT:
+                scores = tl.dot(q, tl.trans(k))
+            else:
+                scores = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+            bias = tl.load(mask + row * mask_row_stride + slots, mask=inside, other=float("-inf"))
+            scores = scores + bias.to(tl.float32)[None, :]
+            newest = tl.maximum(best, tl.max(scores, axis=1))
+            # Nothing seen yet in this part: keep exp() away from -inf - -inf.
+            anchor = tl.where(newest == float("-inf"), 0.0, newest)
+            weights = tl.exp(scores - anchor[:, None])
+            fade = tl.exp(best - anchor)
+            total = total * fade + tl.sum(weights, axis=1)
+            v = tl.load(values + place, mask=inside[:, None], other=0.0)
+            if DOT:
+                acc = acc * fade[:, None] + tl.dot(weights.to(v.dtype), v)
+            else:
+                acc = acc * fade[:, None] + tl.sum(
+                    weights[:, :, None] * v[None, :, :].to(tl.float32), axis=1
+                )
+            best = newest
+            start += BLOCK
+        if SPLIT:
+            parts = tl.num_programs(1)
+            at = pair * parts + part
+            tl.store(part_max + at * GROUPS_PAD + groups, best)
+            tl.store(part_sum + at * GROUPS_PAD + groups, total)
+            tl.store(part_acc + (at * GROUPS_PAD + groups)[:, None] * DIM + dims[None, :], acc)
+        else:
+            result = acc / total[:, None]
+            tl.store(
+                out + (row * KV_HEADS * GROUPS + heads)[:, None] * DIM + dims[None, :],
+                result.to(out.dtype.element_ty), mask=(groups < GROUPS)[:, None],
+            )  # fmt: skip
+
+    @triton.jit
+    def _attention_combine_kernel(
+        part_max, part_sum, part_acc, out, parts,
+        KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+        DIM: tl.constexpr, PARTS_PAD: tl.constexpr,
+    ):  # fmt: skip
+        pair = tl.program_id(0)
+        row, head = pair // KV_HEADS, pair % KV_HEADS
+        groups = tl.arange(0, GROUPS_PAD)
+        dims = tl.arange(0, DIM)
+        index = tl.arange(0, PARTS_PAD)
+        there = index < parts
+        at = (pair * parts + index)[:, None] * GROUPS_PAD + groups[None, :]  # [parts, groups]
+        best = tl.load(part_max + at, mask=there[:, None], other=float("-inf"))
+        overall = tl.max(best, axis=0)
+        scale = tl.exp(best - overall[None, :])  # a part that saw nothing: exp(-inf) = 0
+        total = tl.sum(scale * tl.load(part_sum + at, mask=there[:, None], other=0.0), axis=0)
+        acc = tl.load(
+            part_acc + at[:, :, None] * DIM + dims[None, None, :],
+            mask=there[:, None, None], other=0.0,
+        )  # fmt: skip
+        result = tl.sum(scale[:, :, None] * acc, axis=0)
+        result = result / total[:, None]
+        heads = head * GROUPS + groups
+        tl.store(
+            out + (row * KV_HEADS * GROUPS + heads)[:, None] * DIM + dims[None, :],
+            result.to(out.dtype.element_ty), mask=(groups < GROUPS)[:, None],
+        )  # fmt: skip
+
+
+def rope_and_cache(
+    qkv, bias, cos, sin, positions, slot, keys, values, heads: int, kv_heads: int
+):  # fmt: skip
     """Queries [rows, heads, dim] of `qkv` ([rows, (heads + 2 kv heads) x dim], query then
-    key then value heads) rotated by `cos`/`sin` ([positions, heads + kv heads, dim], the
-    rotate-half sign in `sin`) at each row's position; keys rotated and values written
-    into `keys`/`values` ([rows, kv heads, slots, dim]) at `slot` (a one-element tensor)."""
+    key then value heads; plus `bias` unless None) rotated by `cos`/`sin` ([positions,
+    heads + kv heads, dim], the rotate-half sign in `sin`) at each row's position; keys
+    rotated and values written into `keys`/`values` ([rows, kv heads, slots, dim]) at
+    `slot` (a one-element tensor)."""
     rows, dim = qkv.shape[0], keys.shape[-1]
     query = torch.empty((rows, heads, dim), dtype=qkv.dtype, device=qkv.device)
     _rope_and_cache_kernel[(rows, heads + 2 * kv_heads)](
-        qkv, qkv.stride(0), cos, sin, positions, slot, query, keys, values,
-        keys.stride(0), keys.stride(1), HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
+        qkv, qkv.stride(0), qkv if bias is None else bias, cos, sin, positions, slot, query,
+        keys, values, keys.stride(0), keys.stride(1), HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
+        HAS_BIAS=bias is not None,
     )  # fmt: skip
     return query
 
 
-def silu_and_mul(gate_up):
-    """silu(gate) * up for `gate_up` = [gate | up] ([rows, 2 x width])."""
+def silu_and_mul(gate_up, bias=None):
+    """silu(gate) * up for `gate_up` = [gate | up] ([rows, 2 x width]), plus `bias`
+    ([2 x width]) first unless None."""
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](
-        gate_up, gate_up.stride(0), out, width, BLOCK=block
-    )
+        gate_up, gate_up.stride(0), gate_up if bias is None else bias, out, width,
+        BLOCK=block, HAS_BIAS=bias is not None,
+    )  # fmt: skip
     return out
+
+
+# Attention programs wanted at once: about two per streaming multiprocessor of a large card.
+ATTENTION_PROGRAMS = 256
+ATTENTION_BLOCK = 32
+
+
+def attention_pays(dtype: torch.dtype, groups: int) -> bool:
+    """Whether `decode_attention` beat the torch ops on an H100 for `groups` query heads a
+    kv head (docs/BENCHMARKS.md): one head a kv head (products on the CUDA cores), or
+    several in half precision (tensor cores). Several in float32 lost: tl.dot rounds to
+    tf32 or pads to 16 rows, and the CUDA-core products spill."""
+    return groups == 1 or dtype in (torch.float16, torch.bfloat16)
+
+
+def decode_attention(query, keys, values, mask, width: int, dot: bool | None = None):
+    """One token's attention: `query` [rows, heads, dim] (scaled) over the first `width`
+    slots of `keys`/`values` ([rows, kv heads, slots, dim] or wider in rows), `mask`
+    ([rows, slots], added to the scores: 0 or -inf). Returns [rows, heads x dim].
+    `dot`: the products on tensor cores (tl.dot, the query heads of a kv head padded to 16
+    rows), else on the CUDA cores in float32; None: tensor cores where a kv head serves
+    several query heads."""
+    rows, heads, dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    pairs = rows * kv_heads
+    blocks = triton.cdiv(width, ATTENTION_BLOCK)
+    parts = max(1, min(blocks, triton.cdiv(ATTENTION_PROGRAMS, pairs)))
+    chunk = triton.cdiv(blocks, parts) * ATTENTION_BLOCK
+    parts = triton.cdiv(width, chunk)
+    dot = groups > 1 if dot is None else dot
+    # Query heads a program reads at once: tl.dot's tiles have at least 16 rows.
+    groups_pad = max(16 if dot else 1, triton.next_power_of_2(groups))
+    out = torch.empty((rows, heads * dim), dtype=query.dtype, device=query.device)
+    split = parts > 1
+    shape = (pairs * parts, groups_pad) if split else (1, 1)
+    part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
+    part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
+    part_acc = torch.empty((*shape, dim if split else 1), dtype=torch.float32, device=query.device)
+    common = dict(KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim)
+    _attention_part_kernel[(pairs, parts)](
+        query, keys, values, mask, out, part_max, part_sum, part_acc, width, chunk,
+        keys.stride(0), keys.stride(1), mask.stride(0), **common, BLOCK=ATTENTION_BLOCK,
+        SPLIT=split, DOT=dot,
+    )  # fmt: skip
+    if split:
+        _attention_combine_kernel[(pairs,)](
+            part_max, part_sum, part_acc, out, parts, **common,
+            PARTS_PAD=triton.next_power_of_2(parts),
+        )  # fmt: skip
+    return out
+
+
+def add_rms_norm(x, bias, residual, norm):
+    """`residual` += `x` (+ `bias` unless None), in place ([rows, width], contiguous), and
+    returns the RMSNorm `norm` (weight and `variance_epsilon`, the Llama family's) of the
+    new residual."""
+    rows, width = residual.shape
+    normed = torch.empty_like(residual)
+    _add_rms_norm_kernel[(rows,)](
+        x, x.stride(0), x if bias is None else bias, residual, norm.weight, normed, width,
+        norm.variance_epsilon, BLOCK=triton.next_power_of_2(width), HAS_BIAS=bias is not None,
+    )  # fmt: skip
+    return normed

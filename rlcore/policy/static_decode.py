@@ -352,6 +352,10 @@ class StaticDecoder:
         if kernels and why_not:
             raise ValueError(f"the decode kernels cannot run this model: {why_not}")
         self.kernels = why_not is None if kernels is None else kernels
+        # The attention kernel where it beat the torch ops (decode_kernels.attention_pays).
+        self.kernel_attention = self.kernels and decode_kernels.attention_pays(
+            model.dtype, self.heads // self.kv_heads
+        )
         self.prefixes = prefixes
         self._snapshots: weakref.WeakSet[_Snapshot] = weakref.WeakSet()  # those still held
         self.workspace: _Workspace | None = None
@@ -453,43 +457,67 @@ class StaticDecoder:
         # key and value once, in two batched matrix products (not SDPA: its fused kernels
         # tile for long queries and ran several times slower than the bytes allow on
         # one-token queries, H200).
-        mask = ws.mask[:rows, None, :width].repeat_interleave(kv_heads, dim=0)
+        if not self.kernel_attention:
+            mask = ws.mask[:rows, None, :width].repeat_interleave(kv_heads, dim=0)
         if not self.kernels:
             cos = ws.rope_cos.index_select(0, ws.positions[:rows])
             sin = ws.rope_sin.index_select(0, ws.positions[:rows])
-        hidden = inner.embed_tokens(ws.tokens[:rows])
-        for index, (layer, fused) in enumerate(zip(inner.layers, self._fused, strict=True)):
+        layers = inner.layers
+        hidden = inner.embed_tokens(ws.tokens[:rows])  # the residual stream
+        if self.kernels:  # `normed`: the stream's norm for the next projection
+            normed = _rms_norm(layers[0].input_layernorm, hidden)
+        for index, (layer, fused) in enumerate(zip(layers, self._fused, strict=True)):
             attention = layer.self_attn
-            qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
             if self.kernels:
                 query = decode_kernels.rope_and_cache(
-                    qkv, ws.rope_cos, ws.rope_sin, ws.positions[:rows], ws.slot,
-                    ws.keys[index], ws.values[index], heads, kv_heads,
+                    F.linear(normed, fused.qkv), fused.qkv_bias, ws.rope_cos, ws.rope_sin,
+                    ws.positions[:rows], ws.slot, ws.keys[index], ws.values[index], heads,
+                    kv_heads,
                 )  # fmt: skip
             else:
+                qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
                 qk = self._rotated_heads(attention, qkv, cos, sin)
                 ws.keys[index, :rows].index_copy_(2, ws.slot, qk[:, heads:, None])
                 ws.values[index, :rows].index_copy_(
                     2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
                 )
                 query = qk[:, :heads]
-            query = query.reshape(rows * kv_heads, groups, dim)
-            keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
-            values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
-            weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
-            hidden = _add_linear(
-                hidden, torch.bmm(weights, values).view(rows, heads * dim), attention.o_proj
-            )
+            if self.kernel_attention:
+                attended = decode_kernels.decode_attention(
+                    query, ws.keys[index], ws.values[index], ws.mask, width
+                )
+            else:
+                query = query.reshape(rows * kv_heads, groups, dim)
+                keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+                values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+                weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
+                attended = torch.bmm(weights, values).view(rows, heads * dim)
+            mlp = layer.mlp
+            if self.kernels:
+                # Each projection's output goes into the stream with its bias, and the new
+                # stream is normed for the next projection, in one kernel.
+                normed = decode_kernels.add_rms_norm(
+                    F.linear(attended, attention.o_proj.weight), attention.o_proj.bias, hidden,
+                    layer.post_attention_layernorm,
+                )  # fmt: skip
+                gated = decode_kernels.silu_and_mul(
+                    F.linear(normed, fused.gate_up), fused.gate_up_bias
+                )
+                last = index + 1 == len(layers)
+                normed = decode_kernels.add_rms_norm(
+                    F.linear(gated, mlp.down_proj.weight), mlp.down_proj.bias, hidden,
+                    inner.norm if last else layers[index + 1].input_layernorm,
+                )  # fmt: skip
+                continue
+            hidden = _add_linear(hidden, attended, attention.o_proj)
             gate_up = F.linear(
                 _rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up, fused.gate_up_bias
             )
-            if self.kernels:
-                gated = decode_kernels.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                gated = layer.mlp.act_fn(gate) * up
-            hidden = _add_linear(hidden, gated, layer.mlp.down_proj)
-        logits = self.model.lm_head(_rms_norm(inner.norm, hidden))
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = _add_linear(hidden, mlp.act_fn(gate) * up, mlp.down_proj)
+        if not self.kernels:
+            normed = _rms_norm(inner.norm, hidden)
+        logits = self.model.lm_head(normed)
         self._sample_and_record(ws, rows, logits, nucleus, greedy)
         ws.positions[:rows].add_(1)
         ws.slot.add_(1)
