@@ -19,7 +19,7 @@ context of the run), so tokens/s cannot exceed rows / ((weight bytes + KV bytes)
 bandwidth); the bandwidth is measured in the same run, as a device-to-device copy
 (bytes read + written). Before timing, a greedy check: the static decoder's replies to a
 fixed prompt set against the dynamic loop's (identical replies, largest logprob gap), in
-fp32 and in bf16. Prints a table and writes JSON (bench/results/local_engine_<device>.json).
+fp32 and in bf16, all in one batch and the first 8 one at a time (the one-row step). Prints a table and writes JSON (bench/results/local_engine_<device>.json).
 """
 
 from __future__ import annotations
@@ -180,16 +180,11 @@ def roofline_tokens_per_s(model, rows, prompt_tokens, max_tokens, bandwidth) -> 
     return rows / (step_bytes / bandwidth)
 
 
-def greedy_check(name: str, device: str, dtype, prompts: int = 32, tokens: int = 64) -> dict:
-    """The static decoder's greedy replies against the dynamic loop's, same prompts."""
-    model, tokenizer = load_model(name, device, dtype)
-    greedy = SamplingParams(temperature=0.0, max_tokens=tokens)
-    replies = {}
-    for decode in ("dynamic", "static"):
-        engine = engine_for(model, tokenizer, decode, ignore_eos=False)
-        replies[decode] = asyncio.run(run_batched(engine, benchmark_prompts(prompts), greedy))
+def compare_replies(expected, got) -> tuple[int, float, list[int]]:
+    """How many replies are identical, the largest logprob gap over the tokens they share,
+    and where each of the others first differs."""
     identical, gap, first_divergence = 0, 0.0, []
-    for theirs, mine in zip(replies["dynamic"], replies["static"], strict=True):
+    for theirs, mine in zip(expected, got, strict=True):
         common = 0
         shorter = min(len(mine.completion_ids), len(theirs.completion_ids))
         while common < shorter and mine.completion_ids[common] == theirs.completion_ids[common]:
@@ -200,6 +195,26 @@ def greedy_check(name: str, device: str, dtype, prompts: int = 32, tokens: int =
             first_divergence.append(common)
         for a, b in zip(mine.logprobs[:common], theirs.logprobs[:common], strict=True):
             gap = max(gap, abs(a - b))
+    return identical, gap, first_divergence
+
+
+def greedy_check(
+    name: str, device: str, dtype, prompts: int = 32, tokens: int = 64, one_row: int = 8
+) -> dict:
+    """The static decoder's greedy replies against the dynamic loop's, same prompts: all
+    in one batch, and the first `one_row` one at a time (a decode step of one row)."""
+    model, tokenizer = load_model(name, device, dtype)
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens)
+    replies, alone = {}, {}
+    for decode in ("dynamic", "static"):
+        engine = engine_for(model, tokenizer, decode, ignore_eos=False)
+        replies[decode] = asyncio.run(run_batched(engine, benchmark_prompts(prompts), greedy))
+        alone[decode] = [
+            asyncio.run(run_batched(engine, [prompt], greedy))[0]
+            for prompt in benchmark_prompts(one_row)
+        ]
+    identical, gap, first_divergence = compare_replies(replies["dynamic"], replies["static"])
+    alone_identical, alone_gap, _ = compare_replies(alone["dynamic"], alone["static"])
     return {
         "model": name,
         "dtype": str(dtype).replace("torch.", ""),
@@ -208,6 +223,9 @@ def greedy_check(name: str, device: str, dtype, prompts: int = 32, tokens: int =
         "identical_replies": identical,
         "first_divergence_at": first_divergence,
         "max_logprob_gap": gap,
+        "one_row_prompts": one_row,
+        "one_row_identical_replies": alone_identical,
+        "one_row_max_logprob_gap": alone_gap,
     }
 
 
@@ -338,7 +356,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"greedy check {check['model']} {check['dtype']}: {check['identical_replies']} of "
             f"{check['prompts']} replies identical to the dynamic loop's, largest logprob gap "
-            f"{check['max_logprob_gap']:.2e} (first divergences at {check['first_divergence_at']})"
+            f"{check['max_logprob_gap']:.2e} (first divergences at {check['first_divergence_at']}); "
+            f"one row at a time: {check['one_row_identical_replies']} of "
+            f"{check['one_row_prompts']} identical, gap {check['one_row_max_logprob_gap']:.2e}"
         )
     results = {
         "benchmark": "local_engine",

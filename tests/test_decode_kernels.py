@@ -24,7 +24,7 @@ SHAPE = dict(
 
 def model_of(config_class, **extra):
     torch.manual_seed(0)
-    config = config_class(**SHAPE, vocab_size=300, **extra)
+    config = config_class(**{**SHAPE, **extra}, vocab_size=300)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # transformers starts biases at 0, which would test nothing
         for name, parameter in model.named_parameters():
@@ -35,8 +35,9 @@ def model_of(config_class, **extra):
 
 MODELS = {
     "qwen2 (grouped-query, q/k/v bias)": lambda: model_of(Qwen2Config),
+    # One query head a kv head: the attention kernel's CUDA-core path in float32.
     "llama (attention and MLP biases)": lambda: model_of(
-        LlamaConfig, attention_bias=True, mlp_bias=True
+        LlamaConfig, attention_bias=True, mlp_bias=True, num_key_value_heads=4
     ),
     "qwen3 (per-head query/key norms)": lambda: model_of(Qwen3Config),
 }
@@ -90,17 +91,16 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
 
     from rlcore.policy import decode_kernels
 
-    # The interpreter runs programs one at a time: split attention over 2 parts a row, not
-    # over the card's worth of programs (the parts themselves: test_decode_attention).
+    # The interpreter runs programs one at a time: attention split over a few parts a row,
+    # not over the card's worth of programs (each path alone: check_kernels_one_by_one).
     decode_kernels.ATTENTION_PROGRAMS = 8
+    decode_kernels.ATTENTION_PART_BLOCKS = 1
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
-    if name == "tiny":
-        model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
-    else:
-        model = MODELS[name]()
-    dynamic, static = engines(model.eval(), tokenizer)
+    dynamic, static = engines(MODELS[name](), tokenizer)
     expected, got = replies(dynamic, count=4), replies(static, count=4)
-    kernels = static._static.kernels
+    # One row alone takes the gemv kernels.
+    one_expected, one_got = replies(dynamic, count=1), replies(static, count=1)
+    kernels, kernel_attention = static._static.kernels, static._static.kernel_attention
     sampled_kernels = replies(static, count=4, temperature=1.0)
     static._static.kernels = static._static.kernel_attention = False
     sampled_torch = replies(static, count=4, temperature=1.0)
@@ -111,7 +111,12 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
     )
     return {
         "kernels": kernels,
+        "kernel_attention": kernel_attention,
         "greedy_same": [g.completion_ids for g in got] == [g.completion_ids for g in expected],
+        "one_row_same": one_got[0].completion_ids == one_expected[0].completion_ids,
+        "one_row_gap": max(
+            abs(a - b) for a, b in zip(one_got[0].logprobs, one_expected[0].logprobs, strict=True)
+        ),
         "greedy_tokens": sum(len(g.completion_ids) for g in got),
         "logprob_gap": gap,
         "sampled_same": [g.completion_ids for g in sampled_kernels]
@@ -120,7 +125,7 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2 (grouped-query, q/k/v bias)", "llama (attention and MLP biases)", "tiny"]
+    "name", ["qwen2 (grouped-query, q/k/v bias)", "llama (attention and MLP biases)"]
 )
 def test_the_fused_kernels_give_the_torch_ops_results(name, default_tiny_model):
     root = Path(__file__).resolve().parent.parent
@@ -133,8 +138,11 @@ def test_the_fused_kernels_give_the_torch_ops_results(name, default_tiny_model):
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])
     assert result["kernels"]  # the interpreter made them available on the CPU
+    # The attention kernel runs where it pays: one query head a kv head in float32.
+    assert result["kernel_attention"] == (name.startswith("llama"))
     assert result["greedy_same"] and result["greedy_tokens"] > 0
     assert result["logprob_gap"] < 1e-4
+    assert result["one_row_same"] and result["one_row_gap"] < 1e-4
     assert result["sampled_same"]  # the same seeds draw the same tokens either way
 
 
@@ -149,8 +157,11 @@ def check_kernels_one_by_one() -> dict:
     # Attention: grouped and plain heads, split over several parts and in one program.
     cases = {"split, grouped": (1, 14, 2, 64, 300, 288, 256), "split, plain": (3, 4, 4, 32, 64,
              64, 256), "one part, grouped": (40, 8, 2, 16, 128, 96, 8)}  # fmt: skip
+    decode_kernels.ATTENTION_PART_BLOCKS = 1  # parts of one block: short widths split too
     for case, (rows, heads, kv_heads, dim, length, width, programs) in cases.items():
         decode_kernels.ATTENTION_PROGRAMS = programs
+        parts, _ = decode_kernels.attention_parts(rows * kv_heads, width)
+        assert (parts > 1) == case.startswith("split"), case
         query = torch.randn(rows, heads, dim)
         keys, values = torch.randn(2, rows + 1, kv_heads, length, dim)
         mask = torch.full((rows + 1, length), float("-inf"))
@@ -179,6 +190,30 @@ def check_kernels_one_by_one() -> dict:
     normed = decode_kernels.add_rms_norm(x, bias, residual, norm)
     gaps["add_rms_norm, residual"] = (residual - expected_residual).abs().max().item()
     gaps["add_rms_norm, norm"] = (normed - norm(expected_residual)).abs().max().item()
+    # One row's projections with the work before them (K not a multiple of the block).
+    weight, x, bias, residual = (
+        torch.randn(70, 300),
+        torch.randn(1, 300),
+        torch.randn(300),
+        torch.randn(1, 300),
+    )
+    norm300 = torch.nn.RMSNorm(300, eps=1e-6)
+    norm300.variance_epsilon = norm300.eps
+    with torch.no_grad():
+        norm300.weight.normal_()
+    gaps["gemv"] = (decode_kernels.gemv(weight, x) - x @ weight.T).abs().max().item()
+    out, stream = decode_kernels.gemv_after_norm(weight, x, bias, residual, norm300)
+    gaps["gemv after the norm"] = (
+        (out - norm300(residual + (x + bias)) @ weight.T).abs().max().item()
+    )
+    gaps["gemv after the norm, stream"] = (stream - (residual + (x + bias))).abs().max().item()
+    out, _ = decode_kernels.gemv_after_norm(weight, None, None, residual, norm300)
+    gaps["gemv after the norm alone"] = (out - norm300(residual) @ weight.T).abs().max().item()
+    gate_up, bias = torch.randn(1, 600), torch.randn(600)
+    gate, up = (gate_up + bias).chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up) @ weight.T
+    got = decode_kernels.gemv_after_silu(weight, gate_up, bias)
+    gaps["gemv after silu"] = (got - expected).abs().max().item()
     gate_up, bias = torch.randn(3, 40), torch.randn(40)
     gate, up = (gate_up + bias).chunk(2, dim=-1)
     got = decode_kernels.silu_and_mul(gate_up, bias)
@@ -196,7 +231,7 @@ def test_each_kernel_gives_its_torch_ops_result():
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     gaps = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(gaps) == 9
+    assert len(gaps) == 14
     for name, gap in gaps.items():
         assert gap < 1e-4, name
 

@@ -13,6 +13,10 @@ stretches of a layer that torch runs as several small kernels are one kernel eac
 - `add_rms_norm`: a projection's output (and bias) added into the residual stream in
   place, and the sum's RMSNorm for the next projection: the residual addition inside the
   product costs a copy and the product, the norm one more kernel.
+- `gemv`: one row's projection (rows of 1: a Play move, one user's chat), with the work
+  before it done as it reads its input: the residual sum and the norm (`add_rms_norm`) or
+  silu(gate) * up (`silu_and_mul`). Two kernels a projection become one; cuBLAS keeps the
+  products of several rows.
 - `decode_attention`: one query token's attention over the static cache (flash-decoding:
   the cache's width split over programs when rows are few, each with its own online
   softmax, then one kernel combining the parts; a single kernel when rows fill the card).
@@ -230,6 +234,68 @@ if triton is not None:
             result.to(out.dtype.element_ty), mask=(groups < GROUPS)[:, None],
         )  # fmt: skip
 
+    @triton.jit
+    def _stream_value(
+        x, bias, residual, ks, inside, dtype, HAS_ADD: tl.constexpr, HAS_BIAS: tl.constexpr
+    ):
+        """The residual stream plus a projection's output (and bias), as add_rms_norm."""
+        total = tl.load(residual + ks, mask=inside, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            value = tl.load(x + ks, mask=inside, other=0.0)
+            if HAS_BIAS:
+                added = tl.load(bias + ks, mask=inside, other=0.0).to(tl.float32)
+                value = (value.to(tl.float32) + added).to(dtype)
+            total = (total + value.to(tl.float32)).to(dtype).to(tl.float32)
+        return total
+
+    @triton.jit
+    def _gemv_kernel(
+        x, bias, residual, residual_out, norm_weight, eps, weight, out, n,
+        K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_ADD: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_inside = outputs < n
+        dtype = out.dtype.element_ty
+        if PROLOGUE == 1:  # the input is norm(residual + x (+ bias)): its scale first
+            squares = tl.zeros([BLOCK_K], tl.float32)
+            for start in tl.static_range(0, K, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                inside = ks < K
+                total = _stream_value(x, bias, residual, ks, inside, dtype, HAS_ADD, HAS_BIAS)
+                squares += total * total
+                if tl.program_id(0) == 0:  # one program writes the new stream
+                    tl.store(residual_out + ks, total.to(dtype), mask=inside)
+            scale = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for start in tl.static_range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            inside = ks < K
+            if PROLOGUE == 1:
+                total = _stream_value(x, bias, residual, ks, inside, dtype, HAS_ADD, HAS_BIAS)
+                value = (total * scale).to(dtype).to(tl.float32) * tl.load(
+                    norm_weight + ks, mask=inside, other=0.0
+                ).to(tl.float32)
+                value = value.to(dtype).to(tl.float32)
+            elif PROLOGUE == 2:  # the input is silu(gate) * up of x = [gate | up] (+ bias)
+                gate = tl.load(x + ks, mask=inside, other=0.0)
+                up = tl.load(x + K + ks, mask=inside, other=0.0)
+                if HAS_BIAS:
+                    gate_bias = tl.load(bias + ks, mask=inside, other=0.0).to(tl.float32)
+                    up_bias = tl.load(bias + K + ks, mask=inside, other=0.0).to(tl.float32)
+                    gate = (gate.to(tl.float32) + gate_bias).to(dtype)
+                    up = (up.to(tl.float32) + up_bias).to(dtype)
+                gate, up = gate.to(tl.float32), up.to(tl.float32)
+                value = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+            else:
+                value = tl.load(x + ks, mask=inside, other=0.0).to(tl.float32)
+            tile = tl.load(
+                weight + outputs[:, None] * K + ks[None, :],
+                mask=rows_inside[:, None] & inside[None, :], other=0.0,
+            )  # fmt: skip
+            acc += tl.sum(tile.to(tl.float32) * value[None, :], axis=1)
+        tl.store(out + outputs, acc.to(dtype), mask=rows_inside)
+
 
 def rope_and_cache(
     qkv, bias, cos, sin, positions, slot, keys, values, heads: int, kv_heads: int
@@ -262,9 +328,52 @@ def silu_and_mul(gate_up, bias=None):
     return out
 
 
+def gemv_blocks(n: int, k: int) -> tuple[int, int]:
+    """(outputs, inputs) a gemv program reads a tile of: whole rows of up to 1,024 inputs,
+    and 2-8 outputs, so that a projection runs about 256 programs or more. The fastest
+    tiles of a sweep on an H100 for Qwen2-0.5B's and the tiny model's projections
+    (docs/BENCHMARKS.md)."""
+    per_program = max(1, n // 256)
+    return max(2, min(8, 1 << (per_program.bit_length() - 1))), min(1024, triton.next_power_of_2(k))
+
+
+def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=True):
+    n, k = weight.shape
+    out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
+    new_stream = torch.empty_like(residual) if residual is not None else None
+    block_n, block_k = gemv_blocks(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, x if bias is None else bias, x if residual is None else residual,
+        out if new_stream is None else new_stream, weight if norm is None else norm.weight,
+        0.0 if norm is None else norm.variance_epsilon, weight, out, n, K=k,
+        PROLOGUE=prologue, HAS_ADD=add, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out, new_stream
+
+
+def gemv(weight, x):
+    """x @ weight.T for one row `x` ([1, in]; `weight` [out, in], contiguous)."""
+    return _gemv(weight, x, 0)[0]
+
+
+def gemv_after_norm(weight, x, bias, residual, norm):
+    """(norm(residual + x + bias) @ weight.T, residual + x + bias) for one row: the
+    residual stream's new value is returned, not written over `residual`. `x` None: the
+    norm of `residual` alone; `bias` None: no bias."""
+    return _gemv(weight, residual if x is None else x, 1, bias=bias, residual=residual,
+                 norm=norm, add=x is not None)  # fmt: skip
+
+
+def gemv_after_silu(weight, gate_up, bias):
+    """silu(gate) * up @ weight.T for one row `gate_up` = [gate | up] (+ `bias` first)."""
+    return _gemv(weight, gate_up, 2, bias=bias)[0]
+
+
 # Attention programs wanted at once: about two per streaming multiprocessor of a large card.
 ATTENTION_PROGRAMS = 256
 ATTENTION_BLOCK = 32
+ATTENTION_PART_BLOCKS = 8
 
 
 def attention_pays(dtype: torch.dtype, groups: int) -> bool:
@@ -273,6 +382,17 @@ def attention_pays(dtype: torch.dtype, groups: int) -> bool:
     several in half precision (tensor cores). Several in float32 lost: tl.dot rounds to
     tf32 or pads to 16 rows, and the CUDA-core products spill."""
     return groups == 1 or dtype in (torch.float16, torch.bfloat16)
+
+
+def attention_parts(pairs: int, width: int) -> tuple[int, int]:
+    """How many parts `decode_attention` splits `width` slots into for `pairs` (row, kv
+    head) pairs, and the slots of each: about ATTENTION_PROGRAMS programs in all, parts of
+    at least ATTENTION_PART_BLOCKS blocks (a shorter one saves less than the combining
+    kernel costs)."""
+    blocks = triton.cdiv(width, ATTENTION_BLOCK)
+    parts = max(1, min(blocks // ATTENTION_PART_BLOCKS, triton.cdiv(ATTENTION_PROGRAMS, pairs)))
+    chunk = triton.cdiv(blocks, parts) * ATTENTION_BLOCK
+    return triton.cdiv(width, chunk), chunk
 
 
 def decode_attention(query, keys, values, mask, width: int, dot: bool | None = None):
@@ -286,10 +406,7 @@ def decode_attention(query, keys, values, mask, width: int, dot: bool | None = N
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     pairs = rows * kv_heads
-    blocks = triton.cdiv(width, ATTENTION_BLOCK)
-    parts = max(1, min(blocks, triton.cdiv(ATTENTION_PROGRAMS, pairs)))
-    chunk = triton.cdiv(blocks, parts) * ATTENTION_BLOCK
-    parts = triton.cdiv(width, chunk)
+    parts, chunk = attention_parts(pairs, width)
     dot = groups > 1 if dot is None else dot
     # Query heads a program reads at once: tl.dot's tiles have at least 16 rows.
     groups_pad = max(16 if dot else 1, triton.next_power_of_2(groups))

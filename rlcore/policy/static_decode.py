@@ -464,15 +464,25 @@ class StaticDecoder:
             sin = ws.rope_sin.index_select(0, ws.positions[:rows])
         layers = inner.layers
         hidden = inner.embed_tokens(ws.tokens[:rows])  # the residual stream
-        if self.kernels:  # `normed`: the stream's norm for the next projection
+        # One row with the kernels: each projection is a gemv kernel that does the norm or
+        # the silu gate on its input as it reads it; `pending` is the last projection's
+        # output (and bias), added into the stream by the next one.
+        one_row = self.kernels and rows == 1
+        pending = (None, None)
+        if self.kernels and not one_row:  # `normed`: the stream's norm for the next projection
             normed = _rms_norm(layers[0].input_layernorm, hidden)
         for index, (layer, fused) in enumerate(zip(layers, self._fused, strict=True)):
             attention = layer.self_attn
             if self.kernels:
+                if one_row:
+                    qkv, hidden = decode_kernels.gemv_after_norm(
+                        fused.qkv, *pending, hidden, layer.input_layernorm
+                    )
+                else:
+                    qkv = F.linear(normed, fused.qkv)
                 query = decode_kernels.rope_and_cache(
-                    F.linear(normed, fused.qkv), fused.qkv_bias, ws.rope_cos, ws.rope_sin,
-                    ws.positions[:rows], ws.slot, ws.keys[index], ws.values[index], heads,
-                    kv_heads,
+                    qkv, fused.qkv_bias, ws.rope_cos, ws.rope_sin, ws.positions[:rows], ws.slot,
+                    ws.keys[index], ws.values[index], heads, kv_heads,
                 )  # fmt: skip
             else:
                 qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
@@ -493,6 +503,16 @@ class StaticDecoder:
                 weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
                 attended = torch.bmm(weights, values).view(rows, heads * dim)
             mlp = layer.mlp
+            if one_row:
+                gate_up, hidden = decode_kernels.gemv_after_norm(
+                    fused.gate_up, decode_kernels.gemv(attention.o_proj.weight, attended),
+                    attention.o_proj.bias, hidden, layer.post_attention_layernorm,
+                )  # fmt: skip
+                down = decode_kernels.gemv_after_silu(
+                    mlp.down_proj.weight, gate_up, fused.gate_up_bias
+                )
+                pending = (down, mlp.down_proj.bias)
+                continue
             if self.kernels:
                 # Each projection's output goes into the stream with its bias, and the new
                 # stream is normed for the next projection, in one kernel.
@@ -515,7 +535,9 @@ class StaticDecoder:
             )
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = _add_linear(hidden, mlp.act_fn(gate) * up, mlp.down_proj)
-        if not self.kernels:
+        if one_row:
+            normed = decode_kernels.add_rms_norm(*pending, hidden, inner.norm)
+        elif not self.kernels:
             normed = _rms_norm(inner.norm, hidden)
         logits = self.model.lm_head(normed)
         self._sample_and_record(ws, rows, logits, nucleus, greedy)
