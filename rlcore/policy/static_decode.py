@@ -447,102 +447,127 @@ class StaticDecoder:
                      greedy: bool) -> None:  # fmt: skip
         """One token for the first `rows` rows, attention over the first `width` slots:
         everything read and written lives in `ws` (and the fused weights), so the step can
-        be captured and replayed."""
+        be captured and replayed. The layers run as torch ops, as fused kernels, or for
+        one row as gemv kernels (decode_kernels)."""
+        ws.mask[:rows].index_fill_(1, ws.slot, 0.0)
+        hidden = self.model.model.embed_tokens(ws.tokens[:rows])  # the residual stream
+        if not self.kernels:
+            normed = self._layers_torch(ws, rows, width, hidden)
+        elif rows == 1:
+            normed = self._layers_one_row(ws, width, hidden)
+        else:
+            normed = self._layers_fused(ws, rows, width, hidden)
+        logits = self.model.lm_head(normed)
+        self._sample_and_record(ws, rows, logits, nucleus, greedy)
+        ws.positions[:rows].add_(1)
+        ws.slot.add_(1)
+
+    def _layers_torch(self, ws: _Workspace, rows: int, width: int, hidden) -> torch.Tensor:
+        """The decoder layers as torch ops (the CPU's path); returns the final norm."""
         inner = self.model.model
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        groups, rotated = heads // kv_heads, (heads + kv_heads) * dim
-        ws.mask[:rows].index_fill_(1, ws.slot, 0.0)
-        # The mask for each (row, kv head) pair: the query heads sharing a kv head become
-        # that head's "sequence" of queries, so grouped-query attention reads each cached
-        # key and value once, in two batched matrix products (not SDPA: its fused kernels
-        # tile for long queries and ran several times slower than the bytes allow on
-        # one-token queries, H200).
-        if not self.kernel_attention:
-            mask = ws.mask[:rows, None, :width].repeat_interleave(kv_heads, dim=0)
-        if not self.kernels:
-            cos = ws.rope_cos.index_select(0, ws.positions[:rows])
-            sin = ws.rope_sin.index_select(0, ws.positions[:rows])
-        layers = inner.layers
-        hidden = inner.embed_tokens(ws.tokens[:rows])  # the residual stream
-        # One row with the kernels: each projection is a gemv kernel that does the norm or
-        # the silu gate on its input as it reads it; `pending` is the last projection's
-        # output (and bias), added into the stream by the next one.
-        one_row = self.kernels and rows == 1
-        pending = (None, None)
-        if self.kernels and not one_row:  # `normed`: the stream's norm for the next projection
-            normed = _rms_norm(layers[0].input_layernorm, hidden)
-        for index, (layer, fused) in enumerate(zip(layers, self._fused, strict=True)):
-            attention = layer.self_attn
-            if self.kernels:
-                if one_row:
-                    qkv, hidden = decode_kernels.gemv_after_norm(
-                        fused.qkv, *pending, hidden, layer.input_layernorm
-                    )
-                else:
-                    qkv = F.linear(normed, fused.qkv)
-                query = decode_kernels.rope_and_cache(
-                    qkv, fused.qkv_bias, ws.rope_cos, ws.rope_sin, ws.positions[:rows], ws.slot,
-                    ws.keys[index], ws.values[index], heads, kv_heads,
-                )  # fmt: skip
-            else:
-                qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
-                qk = self._rotated_heads(attention, qkv, cos, sin)
-                ws.keys[index, :rows].index_copy_(2, ws.slot, qk[:, heads:, None])
-                ws.values[index, :rows].index_copy_(
-                    2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
-                )
-                query = qk[:, :heads]
-            if self.kernel_attention:
-                attended = decode_kernels.decode_attention(
-                    query, ws.keys[index], ws.values[index], ws.mask, width
-                )
-            else:
-                query = query.reshape(rows * kv_heads, groups, dim)
-                keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
-                values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
-                weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
-                attended = torch.bmm(weights, values).view(rows, heads * dim)
-            mlp = layer.mlp
-            if one_row:
-                gate_up, hidden = decode_kernels.gemv_after_norm(
-                    fused.gate_up, decode_kernels.gemv(attention.o_proj.weight, attended),
-                    attention.o_proj.bias, hidden, layer.post_attention_layernorm,
-                )  # fmt: skip
-                down = decode_kernels.gemv_after_silu(
-                    mlp.down_proj.weight, gate_up, fused.gate_up_bias
-                )
-                pending = (down, mlp.down_proj.bias)
-                continue
-            if self.kernels:
-                # Each projection's output goes into the stream with its bias, and the new
-                # stream is normed for the next projection, in one kernel.
-                normed = decode_kernels.add_rms_norm(
-                    F.linear(attended, attention.o_proj.weight), attention.o_proj.bias, hidden,
-                    layer.post_attention_layernorm,
-                )  # fmt: skip
-                gated = decode_kernels.silu_and_mul(
-                    F.linear(normed, fused.gate_up), fused.gate_up_bias
-                )
-                last = index + 1 == len(layers)
-                normed = decode_kernels.add_rms_norm(
-                    F.linear(gated, mlp.down_proj.weight), mlp.down_proj.bias, hidden,
-                    inner.norm if last else layers[index + 1].input_layernorm,
-                )  # fmt: skip
-                continue
+        rotated = (heads + kv_heads) * dim
+        cos = ws.rope_cos.index_select(0, ws.positions[:rows])
+        sin = ws.rope_sin.index_select(0, ws.positions[:rows])
+        mask = self._attention_mask(ws, rows, width)
+        for index, (layer, fused) in enumerate(zip(inner.layers, self._fused, strict=True)):
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
+            qk = self._rotated_heads(attention, qkv, cos, sin)
+            ws.keys[index, :rows].index_copy_(2, ws.slot, qk[:, heads:, None])
+            ws.values[index, :rows].index_copy_(
+                2, ws.slot, qkv[:, rotated:].view(rows, kv_heads, 1, dim)
+            )
+            attended = self._attention(ws, index, qk[:, :heads], rows, width, mask)
             hidden = _add_linear(hidden, attended, attention.o_proj)
             gate_up = F.linear(
                 _rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up, fused.gate_up_bias
             )
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = _add_linear(hidden, mlp.act_fn(gate) * up, mlp.down_proj)
-        if one_row:
-            normed = decode_kernels.add_rms_norm(*pending, hidden, inner.norm)
-        elif not self.kernels:
-            normed = _rms_norm(inner.norm, hidden)
-        logits = self.model.lm_head(normed)
-        self._sample_and_record(ws, rows, logits, nucleus, greedy)
-        ws.positions[:rows].add_(1)
-        ws.slot.add_(1)
+        return _rms_norm(inner.norm, hidden)
+
+    def _layers_fused(self, ws: _Workspace, rows: int, width: int, hidden) -> torch.Tensor:
+        """The layers with decode_kernels' fused kernels around cuBLAS's products: each
+        projection's output goes into the stream with its bias, and the new stream is
+        normed for the next projection, in one kernel (`hidden` is updated in place)."""
+        layers = self.model.model.layers
+        mask = self._attention_mask(ws, rows, width)
+        normed = _rms_norm(layers[0].input_layernorm, hidden)
+        for index, (layer, fused) in enumerate(zip(layers, self._fused, strict=True)):
+            attention, mlp = layer.self_attn, layer.mlp
+            query = self._rope_and_cache(ws, index, rows, F.linear(normed, fused.qkv), fused)
+            attended = self._attention(ws, index, query, rows, width, mask)
+            normed = decode_kernels.add_rms_norm(
+                F.linear(attended, attention.o_proj.weight), attention.o_proj.bias, hidden,
+                layer.post_attention_layernorm,
+            )  # fmt: skip
+            gated = decode_kernels.silu_and_mul(F.linear(normed, fused.gate_up), fused.gate_up_bias)
+            normed = decode_kernels.add_rms_norm(
+                F.linear(gated, mlp.down_proj.weight), mlp.down_proj.bias, hidden,
+                self._norm_after(index),
+            )  # fmt: skip
+        return normed
+
+    def _layers_one_row(self, ws: _Workspace, width: int, hidden) -> torch.Tensor:
+        """One row's layers: each projection a gemv kernel that does the norm or the silu
+        gate on its input as it reads it. `pending` is the last projection's output (and
+        bias), which the next one adds into the stream (a new tensor each time)."""
+        layers = self.model.model.layers
+        mask = self._attention_mask(ws, 1, width)
+        pending = (None, None)
+        for index, (layer, fused) in enumerate(zip(layers, self._fused, strict=True)):
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv, hidden = decode_kernels.gemv_after_norm(
+                fused.qkv, *pending, hidden, layer.input_layernorm
+            )
+            query = self._rope_and_cache(ws, index, 1, qkv, fused)
+            attended = self._attention(ws, index, query, 1, width, mask)
+            gate_up, hidden = decode_kernels.gemv_after_norm(
+                fused.gate_up, decode_kernels.gemv(attention.o_proj.weight, attended),
+                attention.o_proj.bias, hidden, layer.post_attention_layernorm,
+            )  # fmt: skip
+            down = decode_kernels.gemv_after_silu(mlp.down_proj.weight, gate_up, fused.gate_up_bias)
+            pending = (down, mlp.down_proj.bias)
+        return decode_kernels.add_rms_norm(*pending, hidden, self.model.model.norm)
+
+    def _norm_after(self, index: int):
+        """The norm the stream gets after layer `index`: the next layer's, or the last."""
+        layers = self.model.model.layers
+        return (
+            self.model.model.norm if index + 1 == len(layers) else layers[index + 1].input_layernorm
+        )
+
+    def _rope_and_cache(self, ws: _Workspace, index: int, rows: int, qkv, fused) -> torch.Tensor:
+        return decode_kernels.rope_and_cache(
+            qkv, fused.qkv_bias, ws.rope_cos, ws.rope_sin, ws.positions[:rows], ws.slot,
+            ws.keys[index], ws.values[index], self.heads, self.kv_heads,
+        )  # fmt: skip
+
+    def _attention_mask(self, ws: _Workspace, rows: int, width: int) -> torch.Tensor | None:
+        """The additive mask of `_attention`'s torch ops, for each (row, kv head) pair: the
+        query heads sharing a kv head become that head's "sequence" of queries, so
+        grouped-query attention reads each cached key and value once, in two batched
+        matrix products (not SDPA: its fused kernels tile for long queries and ran several
+        times slower than the bytes allow on one-token queries, H200). None where the
+        attention kernel runs."""
+        if self.kernel_attention:
+            return None
+        return ws.mask[:rows, None, :width].repeat_interleave(self.kv_heads, dim=0)
+
+    def _attention(self, ws: _Workspace, index: int, query, rows: int, width: int, mask):
+        """Layer `index`'s attention of `query` ([rows, heads, dim]) over the first `width`
+        slots: decode_kernels.decode_attention where it pays, else torch ops."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        if self.kernel_attention:
+            return decode_kernels.decode_attention(
+                query, ws.keys[index], ws.values[index], ws.mask, width
+            )
+        query = query.reshape(rows * kv_heads, heads // kv_heads, dim)
+        keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+        values = ws.values[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
+        weights = torch.softmax(torch.baddbmm(mask, query, keys.transpose(1, 2)), dim=-1)
+        return torch.bmm(weights, values).view(rows, heads * dim)
 
     def _sample_and_record(self, ws: _Workspace, rows: int, logits, nucleus: bool,
                            greedy: bool) -> None:  # fmt: skip
