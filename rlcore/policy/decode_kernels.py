@@ -142,6 +142,17 @@ if triton is not None:
         tl.store(normed + row * width + offsets, out.to(dtype), mask=inside)
 
     @triton.jit
+    def _store_heads(
+        out, row, heads, groups, dims, result,
+        KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, DIM: tl.constexpr,
+    ):  # fmt: skip
+        """A (row, kv head)'s query heads of the attention's output (padding rows left out)."""
+        tl.store(
+            out + (row * KV_HEADS * GROUPS + heads)[:, None] * DIM + dims[None, :],
+            result.to(out.dtype.element_ty), mask=(groups < GROUPS)[:, None],
+        )  # fmt: skip
+
+    @triton.jit
     def _attention_part_kernel(
         query, keys, values, mask, out, part_max, part_sum, part_acc, width, chunk,
         cache_row_stride, cache_head_stride, mask_row_stride,
@@ -199,11 +210,7 @@ if triton is not None:
             tl.store(part_sum + at * GROUPS_PAD + groups, total)
             tl.store(part_acc + (at * GROUPS_PAD + groups)[:, None] * DIM + dims[None, :], acc)
         else:
-            result = acc / total[:, None]
-            tl.store(
-                out + (row * KV_HEADS * GROUPS + heads)[:, None] * DIM + dims[None, :],
-                result.to(out.dtype.element_ty), mask=(groups < GROUPS)[:, None],
-            )  # fmt: skip
+            _store_heads(out, row, heads, groups, dims, acc / total[:, None], KV_HEADS, GROUPS, DIM)
 
     @triton.jit
     def _attention_combine_kernel(
@@ -226,13 +233,9 @@ if triton is not None:
             part_acc + at[:, :, None] * DIM + dims[None, None, :],
             mask=there[:, None, None], other=0.0,
         )  # fmt: skip
-        result = tl.sum(scale[:, :, None] * acc, axis=0)
-        result = result / total[:, None]
+        result = tl.sum(scale[:, :, None] * acc, axis=0) / total[:, None]
         heads = head * GROUPS + groups
-        tl.store(
-            out + (row * KV_HEADS * GROUPS + heads)[:, None] * DIM + dims[None, :],
-            result.to(out.dtype.element_ty), mask=(groups < GROUPS)[:, None],
-        )  # fmt: skip
+        _store_heads(out, row, heads, groups, dims, result, KV_HEADS, GROUPS, DIM)
 
     @triton.jit
     def _stream_value(
