@@ -218,6 +218,51 @@ def check_kernels_one_by_one() -> dict:
     gate, up = (gate_up + bias).chunk(2, dim=-1)
     got = decode_kernels.silu_and_mul(gate_up, bias)
     gaps["silu_and_mul, bias"] = (got - torch.nn.functional.silu(gate) * up).abs().max().item()
+    # Sampling: greedy and tempered rows, a vocabulary ending in a partial block.
+    from rlcore.policy.static_decode import sample_tokens
+
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.7] * 12)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(48, 5000) * 3).to(dtype)
+        uniforms = torch.rand(48)
+        tokens, logprobs = decode_kernels.sample(logits, temperature, uniforms)
+        expected_tokens, expected_logprobs = sample_tokens(logits, temperature, None, uniforms)
+        name = f"sample, {str(dtype).split('.')[-1]}"
+        gaps[f"{name}, tokens not the torch path's"] = (tokens != expected_tokens).sum().item()
+        gaps[f"{name}, logprobs"] = (logprobs - expected_logprobs).abs().max().item()
+    # The decoder's step bookkeeping in the sampling kernel, against its torch ops: rows
+    # that draw an end token (live or already done), reach max_new, or go on.
+    from types import SimpleNamespace
+
+    from rlcore.policy.static_decode import StaticDecoder, _Workspace
+
+    def workspace():
+        ws = _Workspace(10, 6, 1, 1, 16, torch.float32, torch.device("cpu"), eos=[3, 7])
+        generator = torch.Generator().manual_seed(1)
+        ws.uniforms.uniform_(generator=generator)
+        ws.temperature.copy_(torch.tensor([0.0, 1.0] * 5))
+        ws.max_new.copy_(torch.tensor([6, 6, 2, 2, 6, 6, 6, 6, 1, 6]))
+        ws.lengths.copy_(torch.tensor([0, 1, 1, 1, 0, 1, 0, 0, 0, 0]))
+        ws.done.copy_(torch.tensor([False, False, False, False, True, True] + [False] * 4))
+        ws.step.fill_(2)
+        return ws
+
+    logits = torch.randn(8, 50)
+    logits[[0, 1, 4, 5], 3] = 30.0  # an end token, greedy and sampled, live and done rows
+    logits[2, 7] = 30.0
+    mine, theirs = workspace(), workspace()
+    decode_kernels.sample_and_record(logits, mine, 8)
+    mine.step.add_(1)
+    StaticDecoder._sample_and_record(SimpleNamespace(kernels=False), theirs, 8, logits,
+                                     False, True)  # fmt: skip
+    assert theirs.stopped.any() and theirs.done[2:4].all()  # the cases happened
+    gaps["sample_and_record, state not the torch path's"] = sum(
+        (getattr(mine, name).float() != getattr(theirs, name).float()).sum().item()
+        for name in (*_Workspace.STATE, "out_tokens")
+    )
+    gaps["sample_and_record, logprobs"] = (
+        (mine.out_logprobs - theirs.out_logprobs).abs().max().item()
+    )
     return gaps
 
 
@@ -231,7 +276,7 @@ def test_each_kernel_gives_its_torch_ops_result():
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     gaps = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(gaps) == 14
+    assert len(gaps) == 20
     for name, gap in gaps.items():
         assert gap < 1e-4, name
 

@@ -571,6 +571,10 @@ class StaticDecoder:
 
     def _sample_and_record(self, ws: _Workspace, rows: int, logits, nucleus: bool,
                            greedy: bool) -> None:  # fmt: skip
+        if self.kernels and not nucleus:  # two kernels where torch runs two dozen
+            decode_kernels.sample_and_record(logits, ws, rows)
+            ws.step.add_(1)
+            return
         uniforms = ws.uniforms[:rows].index_select(1, ws.step)[:, 0]
         tokens, logprobs = sample_tokens(
             logits, ws.temperature[:rows], ws.top_p[:rows] if nucleus else None, uniforms, greedy
