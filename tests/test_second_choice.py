@@ -192,7 +192,9 @@ def test_rl_with_second_choices_reports_them_and_refuses_envs_without_verdicts(
     run_rl(cfg, sink)
     ((_, metrics),) = sink.metrics
     assert {"second_choice/tried", "second_choice/sound_rate"} <= set(metrics)
-    with pytest.raises(ConfigError, match="second_choice_replay replays second choices: set second_choice_weight"):
+    with pytest.raises(
+        ConfigError, match="second_choice_replay replays second choices: set second_choice_weight"
+    ):
         build_config(RLConfig, [("test", {**values, **tictactoe, "second_choice_weight": 0,
                                           "second_choice_replay": 8})])  # fmt: skip
     refused = build_config(RLConfig, [("test", {**values, "env": "reverse_text"})])
