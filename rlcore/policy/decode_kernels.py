@@ -326,12 +326,53 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _rope_epilogue(
+        acc, outputs, lanes, out_bias, cos, sin, positions, slot, query, keys, values,
+        cache_head_stride, dtype, HAS_OUT_BIAS: tl.constexpr, HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """`rope_and_cache` for one row on a gemv program's outputs of the q/k/v projection:
+        lanes [0, BLOCK_N / 2) hold dims of the first half of their heads, the other lanes
+        their rotary partners, DIM / 2 further on."""
+        value = acc.to(dtype).to(tl.float32)  # the projection's output, rounded
+        if HAS_OUT_BIAS:
+            value = (value + tl.load(out_bias + outputs).to(tl.float32)).to(dtype).to(tl.float32)
+        # Each lane's partner (lane ^ BLOCK_N / 2), through a BLOCK_N x BLOCK_N selection.
+        partner_of = (lanes ^ (BLOCK_N // 2))[:, None] == lanes[None, :]
+        partner = tl.sum(tl.where(partner_of, value[None, :], 0.0), axis=1)
+        head, dim = outputs // DIM, outputs % DIM
+        table = (tl.load(positions) * (HEADS + KV_HEADS) + head) * DIM + dim
+        rotated = value * tl.load(cos + table, mask=head < HEADS + KV_HEADS, other=0.0).to(
+            tl.float32
+        ) + partner * tl.load(sin + table, mask=head < HEADS + KV_HEADS, other=0.0).to(tl.float32)
+        place = tl.load(slot) * DIM + dim
+        tl.store(query + outputs, rotated.to(dtype), mask=head < HEADS)
+        key_head = head - HEADS
+        tl.store(
+            keys + key_head * cache_head_stride + place, rotated.to(dtype),
+            mask=(head >= HEADS) & (key_head < KV_HEADS),
+        )  # fmt: skip
+        value_head = head - HEADS - KV_HEADS
+        tl.store(
+            values + value_head * cache_head_stride + place, value.to(dtype), mask=value_head >= 0
+        )
+
+    @triton.jit
     def _gemv_kernel(
         x, bias, residual, residual_out, norm_weight, eps, weight, out, n,
+        out_bias, cos, sin, positions, slot, query, keys, values, cache_head_stride,
         K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_ADD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ROPE: tl.constexpr, HAS_OUT_BIAS: tl.constexpr, HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr, DIM: tl.constexpr,
     ):  # fmt: skip
-        outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        lanes = tl.arange(0, BLOCK_N)
+        if ROPE:  # pairs of dims DIM / 2 apart, so the rotation stays in the program
+            pair = tl.program_id(0) * (BLOCK_N // 2) + lanes % (BLOCK_N // 2)
+            second = (lanes >= BLOCK_N // 2).to(tl.int32)
+            outputs = (pair // (DIM // 2)) * DIM + pair % (DIM // 2) + second * (DIM // 2)
+        else:
+            outputs = tl.program_id(0) * BLOCK_N + lanes
         rows_inside = outputs < n
         dtype = out.dtype.element_ty
         if PROLOGUE == 1:  # the input is norm(residual + x (+ bias)): its scale first
@@ -371,7 +412,13 @@ if triton is not None:
                 mask=rows_inside[:, None] & inside[None, :], other=0.0,
             )  # fmt: skip
             acc += tl.sum(tile.to(tl.float32) * value[None, :], axis=1)
-        tl.store(out + outputs, acc.to(dtype), mask=rows_inside)
+        if ROPE:
+            _rope_epilogue(
+                acc, outputs, lanes, out_bias, cos, sin, positions, slot, query, keys, values,
+                cache_head_stride, dtype, HAS_OUT_BIAS, HEADS, KV_HEADS, DIM, BLOCK_N,
+            )  # fmt: skip
+        else:
+            tl.store(out + outputs, acc.to(dtype), mask=rows_inside)
 
 
 def rope_and_cache(
@@ -414,17 +461,26 @@ def gemv_blocks(n: int, k: int) -> tuple[int, int]:
     return max(2, min(8, 1 << (per_program.bit_length() - 1))), min(1024, triton.next_power_of_2(k))
 
 
-def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=True):
+def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=True,
+          rope=None):  # fmt: skip
     n, k = weight.shape
     out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
     new_stream = torch.empty_like(residual) if residual is not None else None
     block_n, block_k = gemv_blocks(n, k)
+    if rope is None:
+        rope_args, rope_shape = (out,) * 8 + (0,), dict(HEADS=1, KV_HEADS=1, DIM=2)
+    else:
+        rope_args = (rope["bias"] if rope["bias"] is not None else out, *(rope[name] for name in (
+            "cos", "sin", "positions", "slot", "query", "keys", "values")),
+            rope["keys"].stride(1))  # fmt: skip
+        rope_shape = dict(HEADS=rope["heads"], KV_HEADS=rope["kv_heads"], DIM=rope["dim"])
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x if bias is None else bias, x if residual is None else residual,
         out if new_stream is None else new_stream, weight if norm is None else norm.weight,
-        0.0 if norm is None else norm.variance_epsilon, weight, out, n, K=k,
+        0.0 if norm is None else norm.variance_epsilon, weight, out, n, *rope_args, K=k,
         PROLOGUE=prologue, HAS_ADD=add, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=4,
+        BLOCK_K=block_k, ROPE=rope is not None,
+        HAS_OUT_BIAS=rope is not None and rope["bias"] is not None, **rope_shape, num_warps=4,
     )  # fmt: skip
     return out, new_stream
 
@@ -440,6 +496,21 @@ def gemv_after_norm(weight, x, bias, residual, norm):
     norm of `residual` alone; `bias` None: no bias."""
     return _gemv(weight, residual if x is None else x, 1, bias=bias, residual=residual,
                  norm=norm, add=x is not None)  # fmt: skip
+
+
+def gemv_rope_after_norm(weight, x, bias, residual, norm, qkv_bias, cos, sin, positions,
+                         slot, keys, values, heads: int, kv_heads: int):  # fmt: skip
+    """`gemv_after_norm` of the q/k/v projection with `rope_and_cache` done on its outputs
+    (one row): returns (the rotated queries [1, heads, dim], the new residual stream), the
+    keys and values written into `keys`/`values` ([1 or more rows, kv heads, slots, dim];
+    row 0) at `slot`."""
+    dim = keys.shape[-1]
+    query = torch.empty((1, heads, dim), dtype=weight.dtype, device=weight.device)
+    rope = dict(bias=qkv_bias, cos=cos, sin=sin, positions=positions, slot=slot, query=query,
+                keys=keys, values=values, heads=heads, kv_heads=kv_heads, dim=dim)  # fmt: skip
+    _, stream = _gemv(weight, residual if x is None else x, 1, bias=bias, residual=residual,
+                      norm=norm, add=x is not None, rope=rope)  # fmt: skip
+    return query, stream
 
 
 def gemv_after_silu(weight, gate_up, bias):

@@ -511,17 +511,19 @@ class StaticDecoder:
 
     def _layers_one_row(self, ws: _Workspace, width: int, hidden) -> torch.Tensor:
         """One row's layers: each projection a gemv kernel that does the norm or the silu
-        gate on its input as it reads it. `pending` is the last projection's output (and
+        gate on its input as it reads it (and the q/k/v one the rotary embedding and the
+        cache writes on its output). `pending` is the last projection's output (and
         bias), which the next one adds into the stream (a new tensor each time)."""
         layers = self.model.model.layers
         mask = self._attention_mask(ws, 1, width)
         pending = (None, None)
         for index, (layer, fused) in enumerate(zip(layers, self._fused, strict=True)):
             attention, mlp = layer.self_attn, layer.mlp
-            qkv, hidden = decode_kernels.gemv_after_norm(
-                fused.qkv, *pending, hidden, layer.input_layernorm
-            )
-            query = self._rope_and_cache(ws, index, 1, qkv, fused)
+            query, hidden = decode_kernels.gemv_rope_after_norm(
+                fused.qkv, *pending, hidden, layer.input_layernorm, fused.qkv_bias,
+                ws.rope_cos, ws.rope_sin, ws.positions[:1], ws.slot, ws.keys[index],
+                ws.values[index], self.heads, self.kv_heads,
+            )  # fmt: skip
             attended = self._attention(ws, index, query, 1, width, mask)
             gate_up, hidden = decode_kernels.gemv_after_norm(
                 fused.gate_up, decode_kernels.gemv(attention.o_proj.weight, attended),
