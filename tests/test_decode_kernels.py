@@ -94,7 +94,7 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
     # The interpreter runs programs one at a time: attention split over a few parts a row,
     # not over the card's worth of programs (each path alone: check_kernels_one_by_one).
     decode_kernels.ATTENTION_PROGRAMS = 8
-    decode_kernels.ATTENTION_PART_BLOCKS = 1
+    decode_kernels.ATTENTION_TILES = {True: (128, 1), False: (32, 1)}
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     dynamic, static = engines(MODELS[name](), tokenizer)
     expected, got = replies(dynamic, count=4), replies(static, count=4)
@@ -155,13 +155,16 @@ def check_kernels_one_by_one() -> dict:
     torch.manual_seed(0)
     gaps = {}
     # Attention: grouped and plain heads, split over several parts and in one program.
-    cases = {"split, grouped": (1, 14, 2, 64, 300, 288, 256), "split, plain": (3, 4, 4, 32, 64,
-             64, 256), "one part, grouped": (40, 8, 2, 16, 128, 96, 8)}  # fmt: skip
-    decode_kernels.ATTENTION_PART_BLOCKS = 1  # parts of one block: short widths split too
+    cases = {"split, grouped": (1, 14, 2, 64, 300, 288, 256), "split, plain": (3, 4, 4, 32, 300,
+             270, 256), "one part, grouped": (40, 8, 2, 16, 128, 96, 8)}  # fmt: skip
+    # Parts of one block (of 128 slots on tensor cores, 32 on the CUDA cores): short widths
+    # split too.
+    decode_kernels.ATTENTION_TILES = {True: (128, 1), False: (32, 1)}
     for case, (rows, heads, kv_heads, dim, length, width, programs) in cases.items():
         decode_kernels.ATTENTION_PROGRAMS = programs
-        parts, _ = decode_kernels.attention_parts(rows * kv_heads, width)
-        assert (parts > 1) == case.startswith("split"), case
+        for dot in (True, False):
+            parts, _ = decode_kernels.attention_parts(rows * kv_heads, width, dot)
+            assert (parts > 1) == case.startswith("split"), case
         query = torch.randn(rows, heads, dim)
         keys, values = torch.randn(2, rows + 1, kv_heads, length, dim)
         mask = torch.full((rows + 1, length), float("-inf"))

@@ -520,8 +520,11 @@ def gemv_after_silu(weight, gate_up, bias):
 
 # Attention programs wanted at once: about two per streaming multiprocessor of a large card.
 ATTENTION_PROGRAMS = 256
-ATTENTION_BLOCK = 32
-ATTENTION_PART_BLOCKS = 8
+# By where the products run (tensor cores: True): the slots a program reads at once, and
+# the fewest such blocks a part of a split width has (a shorter part saves less than the
+# combining kernel costs). From sweeps on an H100 (docs/BENCHMARKS.md): on tensor cores,
+# blocks of 128 slots took 3.3-6.2 us at one row against 4.4-10.6 us for 32.
+ATTENTION_TILES = {True: (128, 1), False: (32, 8)}
 
 
 def attention_pays(dtype: torch.dtype, groups: int) -> bool:
@@ -532,14 +535,14 @@ def attention_pays(dtype: torch.dtype, groups: int) -> bool:
     return groups == 1 or dtype in (torch.float16, torch.bfloat16)
 
 
-def attention_parts(pairs: int, width: int) -> tuple[int, int]:
+def attention_parts(pairs: int, width: int, dot: bool) -> tuple[int, int]:
     """How many parts `decode_attention` splits `width` slots into for `pairs` (row, kv
     head) pairs, and the slots of each: about ATTENTION_PROGRAMS programs in all, parts of
-    at least ATTENTION_PART_BLOCKS blocks (a shorter one saves less than the combining
-    kernel costs)."""
-    blocks = triton.cdiv(width, ATTENTION_BLOCK)
-    parts = max(1, min(blocks // ATTENTION_PART_BLOCKS, triton.cdiv(ATTENTION_PROGRAMS, pairs)))
-    chunk = triton.cdiv(blocks, parts) * ATTENTION_BLOCK
+    at least the blocks ATTENTION_TILES gives."""
+    block, part_blocks = ATTENTION_TILES[dot]
+    blocks = triton.cdiv(width, block)
+    parts = max(1, min(blocks // part_blocks, triton.cdiv(ATTENTION_PROGRAMS, pairs)))
+    chunk = triton.cdiv(blocks, parts) * block
     return triton.cdiv(width, chunk), chunk
 
 
@@ -554,8 +557,8 @@ def decode_attention(query, keys, values, mask, width: int, dot: bool | None = N
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     pairs = rows * kv_heads
-    parts, chunk = attention_parts(pairs, width)
     dot = groups > 1 if dot is None else dot
+    parts, chunk = attention_parts(pairs, width, dot)
     # Query heads a program reads at once: tl.dot's tiles have at least 16 rows.
     groups_pad = max(16 if dot else 1, triton.next_power_of_2(groups))
     out = torch.empty((rows, heads * dim), dtype=query.dtype, device=query.device)
@@ -567,7 +570,7 @@ def decode_attention(query, keys, values, mask, width: int, dot: bool | None = N
     common = dict(KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim)
     _attention_part_kernel[(pairs, parts)](
         query, keys, values, mask, out, part_max, part_sum, part_acc, width, chunk,
-        keys.stride(0), keys.stride(1), mask.stride(0), **common, BLOCK=ATTENTION_BLOCK,
+        keys.stride(0), keys.stride(1), mask.stride(0), **common, BLOCK=ATTENTION_TILES[dot][0],
         SPLIT=split, DOT=dot,
     )  # fmt: skip
     if split:
