@@ -241,13 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         "legal moves, trained up with this advantage when the env judges it sound (0: off)",
     )
     parser.add_argument(
-        "--rl-second-choice-replay",
-        type=int,
-        default=0,
-        help="second_choice_replay: sound second choices of earlier steps trained again each "
-        "step (0: off)",
-    )
-    parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
     parser.add_argument(
@@ -348,7 +341,6 @@ def main(argv: list[str] | None = None) -> int:
             advantage=args.rl_advantage,
             turn_reward_weight=args.rl_turn_reward_weight,
             second_choice_weight=args.rl_second_choice,
-            second_choice_replay=args.rl_second_choice_replay,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             num_iterations=args.rl_iterations,

@@ -13,9 +13,9 @@ from rlcore.envs.tictactoe_game import empty_cells, sound_moves
 from rlcore.events import RecordingSink
 from rlcore.policy.base import Policy
 from rlcore.rollout import run_rollouts
-from rlcore.train.config import ConfigError, RLConfig, build_config
+from rlcore.train.config import RLConfig, build_config
 from rlcore.train.grpo import run_rl
-from rlcore.train.second_choice import ChoiceReplay, _last_logits, second_choice_sequences
+from rlcore.train.second_choice import _last_logits, second_choice_sequences
 from rlcore.types import Generation, SamplingParams
 
 
@@ -112,33 +112,6 @@ def test_a_sound_second_choice_is_trained_on_its_move_token_alone(played, tiny_m
         assert tokenizer.decode(sequence.input_ids[at]).isdigit()
 
 
-def test_the_replay_trains_earlier_sound_choices_again_as_they_were(played, tiny_model):
-    env, tokenizer, rollouts = played
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    torch.manual_seed(0)
-    sequences, _ = second_choice_sequences(
-        env, rollouts, model, tokenizer, weight=2.0, temperature=1.0, pieces={}
-    )
-    assert len(sequences) >= 3
-    replay = ChoiceReplay(per_step=2, capacity=len(sequences) - 1, seed=5)
-    assert replay.draw() == []  # nothing found yet
-    replay.add(sequences)
-    assert len(replay.items) == len(sequences) - 1  # the oldest fell out
-    kept = {tuple(s.input_ids) for s in sequences[1:]}
-    drawn = replay.draw()
-    assert len(drawn) == 2 and len({tuple(s.input_ids) for s in drawn}) == 2
-    for sequence in drawn:
-        assert tuple(sequence.input_ids) in kept
-        original = next(s for s in sequences if s.input_ids == sequence.input_ids)
-        assert sequence.weights == original.weights
-        assert sequence.advantages == original.advantages
-        assert sequence.old_logprobs is None  # scored afresh by the step that trains it
-    # The run's seed decides the draws.
-    again = ChoiceReplay(per_step=2, capacity=len(sequences) - 1, seed=5)
-    again.add(sequences)
-    assert [s.input_ids for s in again.draw()] == [s.input_ids for s in drawn]
-
-
 def test_second_choices_follow_the_policys_own_preference(played, tiny_model):
     """Drawn at temperature ~0 the choice is the other move the model scores highest, and it
     is trained exactly where the env judges that move sound."""
@@ -192,11 +165,6 @@ def test_rl_with_second_choices_reports_them_and_refuses_envs_without_verdicts(
     run_rl(cfg, sink)
     ((_, metrics),) = sink.metrics
     assert {"second_choice/tried", "second_choice/sound_rate"} <= set(metrics)
-    with pytest.raises(
-        ConfigError, match="second_choice_replay replays second choices: set second_choice_weight"
-    ):
-        build_config(RLConfig, [("test", {**values, **tictactoe, "second_choice_weight": 0,
-                                          "second_choice_replay": 8})])  # fmt: skip
     refused = build_config(RLConfig, [("test", {**values, "env": "reverse_text"})])
     with pytest.raises(ValueError, match="second_choice_weight=1.0 needs an env that judges"):
         run_rl(refused, RecordingSink())

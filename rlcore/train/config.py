@@ -76,7 +76,6 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "save_every": (0, 10_000_000),
     "turn_reward_weight": (0.0, 1000.0),
     "second_choice_weight": (0.0, 1000.0),
-    "second_choice_replay": (0, 1_048_576),
     "clip_eps_low": (0.0, 1.0),
     "clip_eps_high": (0.0, 100.0),
     "beta": (0.0, 100.0),
@@ -103,6 +102,7 @@ REMOVED = {
     "kl_scope": "all",
     "train_scope": "reply",
     "explore_rate": 0.0,
+    "second_choice_replay": 0,
 }
 # Settings that moved into a section under another name.
 RENAMED = {"loss_type": "loss.type", "loss_aggregation": "loss.aggregation"}
@@ -326,9 +326,6 @@ class RLConfig:
     """at every move the env judged unsound, the policy's own choice among the position's
     other legal moves is drawn and judged, and a sound one trained up with this advantage
     (Environment.decision_options; see rlcore/train/second_choice.py). 0: off"""
-    second_choice_replay: int = 0
-    """sound second choices of earlier steps trained again each step, drawn from the last
-    REPLAY_CAPACITY (second_choice.ChoiceReplay); needs second_choice_weight. 0: off"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8
@@ -363,8 +360,6 @@ class RLConfig:
             )
         if self.advantage == "none" and not self.turn_reward_weight > 0:
             errors["advantage"] = '"none" leaves nothing to learn from: set turn_reward_weight > 0'
-        if self.second_choice_replay and not self.second_choice_weight:
-            errors["second_choice_replay"] = "replays second choices: set second_choice_weight > 0"
         if self.scale_rewards and self.advantage != "group":
             errors["scale_rewards"] = "applies to advantage 'group' only"
         elif self.scale_rewards and self.loss.type == "dr_grpo":

@@ -79,7 +79,7 @@ from rlcore.train.distributed import (
     placement_devices,
 )
 from rlcore.train.sampling import StratifiedSampler, rollout_sample
-from rlcore.train.second_choice import ChoiceReplay, second_choice_sequences
+from rlcore.train.second_choice import second_choice_sequences
 from rlcore.train.sequences import (
     TrainingSequence,
     collate,
@@ -100,14 +100,9 @@ RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "de
 # Advantages and the loss
 
 
-# Sound second choices a ChoiceReplay keeps (about 100-250 are found a step at 256 games).
-REPLAY_CAPACITY = 20_000
-
-
 def step_sequences(
-    env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces, model=None,
-    replay: ChoiceReplay | None = None,
-):  # fmt: skip
+    env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces, model=None
+):
     """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the advantage
     metrics). 3: advantages from the rubric's rewards (and the env's per-move verdicts).
     4: training sequences, the sampled token ids, each token weighed in the loss, and with
@@ -132,11 +127,6 @@ def step_sequences(
                 cfg.sampling.temperature, pieces, cfg.micro_batch_size,
             )  # fmt: skip
             sequences += chosen
-            if replay is not None:
-                replayed = replay.draw()
-                sequences += replayed
-                replay.add(chosen)
-                choice_metrics["second_choice/replayed"] = float(len(replayed))
             advantage_metrics |= choice_metrics
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
     return sequences, normalizer, advantage_metrics
@@ -558,11 +548,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
     )
     outcome_labels: set[str] = set()  # every label seen so far, reported even at rate 0
     pieces: dict[int, str] = {}  # token id -> text, for think_length
-    replay = (
-        ChoiceReplay(cfg.second_choice_replay, REPLAY_CAPACITY, cfg.seed)
-        if cfg.second_choice_replay > 0
-        else None
-    )
     loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
@@ -592,7 +577,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
 
             # 3-4. Advantages, and the training sequences they weigh.
             sequences, normalizer, advantage_metrics = step_sequences(
-                env, rollouts, cfg, tokenizer, pieces, model, replay
+                env, rollouts, cfg, tokenizer, pieces, model
             )
 
             # 5. Old and reference logprobs when several updates or a KL term need them,

@@ -18,9 +18,6 @@ log-probability's gradient is near its largest, where the played move's was near
 
 from __future__ import annotations
 
-import random
-from collections import deque
-
 import torch
 
 from rlcore.envs.base import Environment
@@ -81,33 +78,6 @@ def second_choice_sequences(
         "second_choice/sound_rate": len(sequences) / len(candidates) if candidates else 0.0,
     }
     return sequences, metrics
-
-
-class ChoiceReplay:
-    """The sound second choices of earlier steps, trained again: each step `per_step` of the
-    last `capacity` are drawn (uniformly, without repeats in a step, by the run's seed) and
-    added to the step's sequences as they were first trained (one move token, the same
-    advantage). A sound move at a position where the policy erred is then pushed up many
-    times, as SFT's epochs push a label, not once."""
-
-    def __init__(self, per_step: int, capacity: int, seed: int):
-        self.per_step = per_step
-        self.items: deque[tuple[list[int], int, float]] = deque(maxlen=capacity)
-        self.rng = random.Random(seed)
-
-    def draw(self) -> list[TrainingSequence]:
-        picked = self.rng.sample(list(self.items), min(self.per_step, len(self.items)))
-        sequences = []
-        for input_ids, trained, advantage in picked:
-            weights, advantages = [0.0] * len(input_ids), [0.0] * len(input_ids)
-            weights[trained], advantages[trained] = 1.0, advantage
-            sequences.append(TrainingSequence(list(input_ids), weights, advantages, None))
-        return sequences
-
-    def add(self, sequences: list[TrainingSequence]) -> None:
-        for sequence in sequences:
-            trained = sequence.weights.index(1.0)
-            self.items.append((sequence.input_ids, trained, sequence.advantages[trained]))
 
 
 def _token_at(texts: list[str], prefix: str, played: str) -> int | None:
