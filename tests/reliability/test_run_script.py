@@ -165,7 +165,19 @@ def test_make_run_restarts_a_dead_worker_keeps_the_web_up_and_stops_cleanly_on_c
         # dies of it as it should, after run.sh stopped everything and exited 0: make
         # reports a recipe's failure ("make: *** [Makefile:21: run] Error 143"), never this.
         os.killpg(run.pid, signal.SIGINT)
-        assert run.wait(timeout=60) in (0, -signal.SIGINT)
+        try:
+            code = run.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            # What is still running, and what run.sh said, for the next one to look at.
+            still = "\n".join(
+                f"{pid} (parent {ppid}): {args}"
+                for pid, (ppid, args) in lab_processes(run.pid, sessions).items()
+            )
+            pytest.fail(
+                f"make run still running 60 s after Ctrl-C; its processes:\n{still}\n"
+                f"its output:\n{output.read_text()[-3000:]}"
+            )
+        assert code in (0, -signal.SIGINT)
         assert "run.sh: stopping" in output.read_text()
         assert "make: ***" not in output.read_text(), output.read_text()[-3000:]
         deadline = time.monotonic() + 20
