@@ -17,6 +17,11 @@ stretches of a layer that torch runs as several small kernels are one kernel eac
   before it done as it reads its input: the residual sum and the norm (`add_rms_norm`) or
   silu(gate) * up (`silu_and_mul`). Two kernels a projection become one; cuBLAS keeps the
   products of several rows.
+- `gemv_rope_after_norm`: one row's q/k/v gemv with `rope_and_cache` on its outputs (each
+  program takes output pairs half a head apart, so a pair's rotation stays in it).
+- `sample_and_record`: sampling and the step's bookkeeping in two kernels (per block of
+  logits its max, exp-sum and argmax; per row the draw, its logprob, the output tables,
+  stops and lengths), where torch runs about two dozen over the vocabulary's width.
 - `decode_attention`: one query token's attention over the static cache (flash-decoding:
   the cache's width split over programs when rows are few, each with its own online
   softmax, then one kernel combining the parts; a single kernel when rows fill the card).

@@ -14,7 +14,9 @@ Sampling takes its uniforms from a counter-based hash of (row seed, token index)
 seeded request draws the same tokens whatever shares its batch, with no generator object
 per row (a graph cannot hold one). Greedy rows take the argmax as the dynamic loop does,
 and every token's logprob is the log-softmax of the temperature-scaled logits, the same
-`sample_tokens` arithmetic.
+`sample_tokens` arithmetic (on CUDA with Triton, rows without a nucleus are drawn by
+decode_kernels' two sampling kernels: the same draw up to float32 rounding at a token's
+bound).
 
 The forward is written out over the model's own submodules (embeddings, norms,
 projections, MLPs) for the Llama family without sliding windows (llama, mistral, qwen2,
