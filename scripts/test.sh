@@ -29,6 +29,8 @@ if [ $# -gt 0 ]; then
 else
   # Playwright's sync API keeps an event loop running in the main thread for as long as
   # its browser is open, so the browser tests get a pytest process of their own.
-  .venv/bin/pytest -q -m "not browser"
+  # The slowest tests are listed at the end: make test is meant to stay well under 20
+  # minutes on 2 cores.
+  .venv/bin/pytest -q -m "not browser" --durations=25
   .venv/bin/pytest -q -m browser tests/browser
 fi
