@@ -157,13 +157,24 @@ def _within(value: float, bounds: tuple[float, float]) -> bool:
     return math.isfinite(value) and bounds[0] - 1e-9 <= value <= bounds[1] + 1e-9
 
 
-@pytest.mark.parametrize("env_name", list(ENVIRONMENTS))
-def test_hostile_replies_score_as_wrong_answers_in_every_environment(env_name):
-    env = _ENVS[env_name]
-    bounds = env.rubric.bounds
-    total_bounds = env.rubric.reward_bounds()
-    assert total_bounds is not None, f"{env_name}: every weighted reward function declares bounds"
-    assert all(bounds.values()), f"{env_name}: undeclared bounds in {bounds}"
+# Only the tool env reads native tool calls; the others get text alone. Each generated
+# script is played through every env of its kind: drawing the replies is most of the cost.
+KINDS = {
+    "text replies": (text_turns, [name for name in ENVIRONMENTS if name != "calculator"]),
+    "tool calls": (tool_turns, ["calculator"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_hostile_replies_score_as_wrong_answers_in_every_environment(kind):
+    scripts, names = KINDS[kind]
+    assert set(ENVIRONMENTS) == {n for _, group in KINDS.values() for n in group}
+    for env_name in names:
+        bounds, total_bounds = _ENVS[env_name].rubric.bounds, _ENVS[env_name].rubric.reward_bounds()
+        assert total_bounds is not None, (
+            f"{env_name}: every weighted reward function declares bounds"
+        )
+        assert all(bounds.values()), f"{env_name}: undeclared bounds in {bounds}"
 
     @settings(
         max_examples=EXAMPLES_PER_ENV,
@@ -171,13 +182,13 @@ def test_hostile_replies_score_as_wrong_answers_in_every_environment(env_name):
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    # Only the tool env reads native tool calls; the others get text alone.
-    @given(
-        script=tool_turns if env_name == "calculator" else text_turns,
-        example_index=st.integers(0, 7),
-    )
+    @given(script=scripts, example_index=st.integers(0, 7))
     def play(script, example_index):
-        check_rollout(env, script, _EXAMPLES[env_name][example_index])
+        for env_name in names:
+            try:
+                check_rollout(_ENVS[env_name], script, _EXAMPLES[env_name][example_index])
+            except AssertionError as failed:
+                raise AssertionError(f"{env_name}: {failed}") from failed
 
     play()
 
