@@ -248,13 +248,20 @@ def check_kernels_one_by_one() -> dict:
     got = decode_kernels.silu_and_mul(gate_up, bias)
     gaps["silu_and_mul, bias"] = (got - torch.nn.functional.silu(gate) * up).abs().max().item()
     # Sampling: greedy and tempered rows, a vocabulary ending in a partial block.
-    from rlcore.policy.static_decode import sample_tokens
+    from types import SimpleNamespace
+
+    from rlcore.policy.static_decode import StaticDecoder, _Workspace, sample_tokens
 
     temperature = torch.tensor([0.0, 0.5, 1.0, 1.7] * 12)
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(48, 5000) * 3).to(dtype)
         uniforms = torch.rand(48)
-        tokens, logprobs = decode_kernels.sample(logits, temperature, uniforms)
+        ws = _Workspace(48, 3, 1, 1, 16, torch.float32, torch.device("cpu"), eos=[])
+        ws.temperature.copy_(temperature)
+        ws.uniforms[:, 1], ws.max_new[:] = uniforms, 3
+        ws.step.fill_(1)
+        decode_kernels.sample_and_record(logits, ws, 48)
+        tokens, logprobs = ws.out_tokens[:, 1], ws.out_logprobs[:, 1]
         expected_tokens, expected_logprobs = sample_tokens(logits, temperature, None, uniforms)
         name = f"sample, {str(dtype).split('.')[-1]}"
         # Each draw is the token where the uniform falls in the float64 cumulative sum, up
@@ -273,12 +280,9 @@ def check_kernels_one_by_one() -> dict:
         gaps[f"{name}, logprobs"] = (
             (logprobs - expected_logprobs)[tokens == expected_tokens].abs().max().item()
         )
+
     # The decoder's step bookkeeping in the sampling kernel, against its torch ops: rows
     # that draw an end token (live or already done), reach max_new, or go on.
-    from types import SimpleNamespace
-
-    from rlcore.policy.static_decode import StaticDecoder, _Workspace
-
     def workspace():
         ws = _Workspace(10, 6, 1, 1, 16, torch.float32, torch.device("cpu"), eos=[3, 7])
         generator = torch.Generator().manual_seed(1)

@@ -170,15 +170,15 @@ if triton is not None:
     def _sample_pick_kernel(
         logits, row_stride, temperature, uniforms, block_max, block_sum, block_arg, tokens,
         logprobs, vocab, blocks, step, record_stride, eos, eos_count, done, stopped, lengths,
-        max_new, next_tokens, BLOCK: tl.constexpr, BLOCKS_PAD: tl.constexpr, RECORD: tl.constexpr,
+        max_new, next_tokens, BLOCK: tl.constexpr, BLOCKS_PAD: tl.constexpr,
         EOS_PAD: tl.constexpr,
     ):  # fmt: skip
         # The row's token: the block where u x total falls in the blocks' running sums, then
-        # the token inside it (or the argmax, for a greedy row), and its log-softmax.
-        # RECORD: the uniform is the row's at `step` of a [rows, steps] table, and the token
-        # is recorded as the static decoder's step does (see `sample_and_record`).
+        # the token inside it (or the argmax, for a greedy row), and its log-softmax; the
+        # uniform is the row's at `step` of a [rows, steps] table, and the token is recorded
+        # as the static decoder's step does (see `sample_and_record`).
         row = tl.program_id(0)
-        column = tl.load(step) if RECORD else 0
+        column = tl.load(step)
         t = tl.load(temperature + row)
         scale = tl.where(t <= 0, 1.0, t)
         ids = tl.arange(0, BLOCKS_PAD)
@@ -208,17 +208,16 @@ if triton is not None:
         chosen = tl.load(logits + row * row_stride + token).to(tl.float32) / scale
         tl.store(tokens + row * record_stride + column, token)
         tl.store(logprobs + row * record_stride + column, chosen - top - tl.log(total))
-        if RECORD:
-            stops = tl.load(
-                eos + tl.arange(0, EOS_PAD), mask=tl.arange(0, EOS_PAD) < eos_count, other=-1
-            )
-            stop = tl.sum((stops == token).to(tl.int32), axis=0) > 0
-            live = tl.load(done + row) == 0
-            tl.store(stopped + row, (tl.load(stopped + row) != 0) | (live & stop))
-            length = tl.load(lengths + row) + live.to(tl.int64)
-            tl.store(lengths + row, length)
-            tl.store(done + row, (~live) | stop | (length >= tl.load(max_new + row)))
-            tl.store(next_tokens + row, token)
+        stops = tl.load(
+            eos + tl.arange(0, EOS_PAD), mask=tl.arange(0, EOS_PAD) < eos_count, other=-1
+        )
+        stop = tl.sum((stops == token).to(tl.int32), axis=0) > 0
+        live = tl.load(done + row) == 0
+        tl.store(stopped + row, (tl.load(stopped + row) != 0) | (live & stop))
+        length = tl.load(lengths + row) + live.to(tl.int64)
+        tl.store(lengths + row, length)
+        tl.store(done + row, (~live) | stop | (length >= tl.load(max_new + row)))
+        tl.store(next_tokens + row, token)
 
     @triton.jit
     def _store_heads(
@@ -615,33 +614,19 @@ def _sample_blocks(logits, temperature):
     return stats[0], stats[1], block_arg, blocks
 
 
-def sample(logits, temperature, uniforms):
-    """`static_decode.sample_tokens` without a nucleus, in two kernels: per block of
-    SAMPLE_KERNEL_BLOCK tokens its max, exp-sum and argmax; then per row the block where
-    the uniform falls, the token inside it, and its log-softmax. The logits are read once
-    and nothing of the vocabulary's width is written (torch: a scaled copy, log-softmax,
-    exp, block sums, the searches). The same tokens as the torch path's for the same
-    uniforms, except where a uniform falls within float rounding of a token's bound."""
-    rows, vocab = logits.shape
-    block_max, block_sum, block_arg, blocks = _sample_blocks(logits, temperature)
-    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _sample_pick_kernel[(rows,)](
-        logits, logits.stride(0), temperature, uniforms, block_max, block_sum, block_arg,
-        tokens, logprobs, vocab, blocks, uniforms, 1, uniforms, 0, uniforms, uniforms,
-        uniforms, uniforms, tokens, BLOCK=SAMPLE_KERNEL_BLOCK,
-        BLOCKS_PAD=triton.next_power_of_2(blocks), RECORD=False, EOS_PAD=1,
-    )  # fmt: skip
-    return tokens, logprobs
-
-
 def sample_and_record(logits, ws, rows: int) -> None:
-    """`sample` for the first `rows` rows of the static decoder's workspace `ws`, drawing
-    each row's uniform at column `ws.step` of `ws.uniforms`, and the step's bookkeeping in
-    the same kernel: token and logprob written at that column of `ws.out_tokens` /
-    `ws.out_logprobs`, a live row that drew an end-of-sequence token `stopped`, a live
-    row's length counted, `done` set by a stop or the row's `max_new`, `ws.tokens` the next
-    input. (torch: a dozen kernels; `ws.step` is advanced by the caller.)"""
+    """`static_decode.sample_tokens` without a nucleus for the first `rows` rows of the
+    static decoder's workspace `ws`, in two kernels: per block of SAMPLE_KERNEL_BLOCK
+    tokens its max, exp-sum and argmax; then per row the block where the row's uniform (at
+    column `ws.step` of `ws.uniforms`) falls, the token inside it, and its log-softmax. The
+    logits are read once and nothing of the vocabulary's width is written (torch: a scaled
+    copy, log-softmax, exp, block sums, the searches). The same tokens as the torch path's
+    for the same uniforms, except where a uniform falls within float rounding of a token's
+    bound. The second kernel also does the step's bookkeeping: token and logprob written
+    at that column of `ws.out_tokens` / `ws.out_logprobs`, a live row that drew an
+    end-of-sequence token `stopped`, a live row's length counted, `done` set by a stop or
+    the row's `max_new`, `ws.tokens` the next input (torch: a dozen more kernels;
+    `ws.step` is advanced by the caller)."""
     vocab = logits.shape[1]
     assert ws.uniforms.stride(0) == ws.out_tokens.stride(0) == ws.out_logprobs.stride(0)
     block_max, block_sum, block_arg, blocks = _sample_blocks(logits, ws.temperature)
@@ -650,6 +635,6 @@ def sample_and_record(logits, ws, rows: int) -> None:
         block_arg, ws.out_tokens, ws.out_logprobs, vocab, blocks, ws.step,
         ws.uniforms.stride(0), ws.eos, ws.eos.numel(), ws.done, ws.stopped, ws.lengths,
         ws.max_new, ws.tokens, BLOCK=SAMPLE_KERNEL_BLOCK,
-        BLOCKS_PAD=triton.next_power_of_2(blocks), RECORD=True,
+        BLOCKS_PAD=triton.next_power_of_2(blocks),
         EOS_PAD=triton.next_power_of_2(max(1, ws.eos.numel())),
     )  # fmt: skip
