@@ -19,6 +19,7 @@ There is no fallback: when bubblewrap is missing or the kernel refuses it namesp
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import shutil
@@ -32,6 +33,25 @@ from pathlib import Path
 
 HARNESS_PATH = Path(__file__).with_name("sandbox_harness.py")
 HARNESS_INSIDE = "/sandbox/harness.py"
+_readable_harness: Path | None = None
+
+
+def readable_harness() -> Path:
+    """A copy of the harness that the jail's unprivileged uid can read wherever the code
+    lives (a checkout under a private directory, such as a 0700 home or `mktemp -d`, is
+    out of its reach): made once per process in a world-readable temporary directory."""
+    global _readable_harness
+    if _readable_harness is None or not _readable_harness.is_file():
+        directory = Path(tempfile.mkdtemp(prefix="rlcore-harness-"))
+        directory.chmod(0o755)
+        copy = directory / "harness.py"
+        shutil.copyfile(HARNESS_PATH, copy)
+        copy.chmod(0o644)
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        _readable_harness = copy
+    return _readable_harness
+
+
 # Unused uids the jails run as when the lab is root: one per concurrent run, so one run's
 # processes never count against another's limit (and no real account is borrowed).
 SANDBOX_UIDS = range(61000, 61064)
@@ -177,7 +197,7 @@ class Sandbox:
             "sandbox",
             *self._system_binds(),
             "--ro-bind",
-            str(HARNESS_PATH),
+            str(readable_harness()),
             HARNESS_INSIDE,
             "--proc",
             "/proc",

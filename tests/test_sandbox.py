@@ -244,3 +244,17 @@ def test_as_an_ordinary_user_the_process_limit_counts_only_the_jails_processes()
     forks = int(re.search(r'"value": "(\d+)"', done.stdout).group(1))
     # prlimit's 8 processes: the harness and bwrap's init are two of them.
     assert 1 <= forks <= 6, done.stdout
+
+
+def test_the_harness_is_bound_from_where_the_jail_s_user_can_read_it():
+    """A checkout under a private directory (a 0700 home, `mktemp -d`) is out of the jail
+    uid's reach, so the harness is bound from a world-readable copy, not the checkout."""
+    from rlcore.sandbox import HARNESS_INSIDE, HARNESS_PATH, Sandbox
+
+    command = Sandbox().command(["true"])
+    source = Path(command[command.index(HARNESS_INSIDE) - 1])
+    assert source.read_bytes() == HARNESS_PATH.read_bytes()
+    assert HARNESS_PATH.parent.parent not in source.parents  # not from the checkout
+    assert source.stat().st_mode & 0o004  # readable by others
+    for parent in source.parents:
+        assert parent.stat().st_mode & 0o001, parent  # every directory traversable
