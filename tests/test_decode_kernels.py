@@ -168,17 +168,24 @@ def check_kernels_one_by_one() -> dict:
         query = torch.randn(rows, heads, dim)
         keys, values = torch.randn(2, rows + 1, kv_heads, length, dim)
         mask = torch.full((rows + 1, length), float("-inf"))
-        for row in range(rows + 1):  # each row's tokens: a stretch ending at the width
-            mask[row, int(torch.randint(0, width - 1, ())) : width] = 0.0
+        # The slots in use end at `newest`, inside the width (the graph's bucket): the slots
+        # after it are open in the mask but hold NaN, so reading one would show.
+        newest = width - 1 - width // 5
+        for row in range(rows + 1):  # each row's tokens: a stretch ending at the newest slot
+            mask[row, int(torch.randint(0, newest, ())) : width] = 0.0
+        keys[:, :, newest + 1 :] = values[:, :, newest + 1 :] = float("nan")
         got = {
-            dot: decode_kernels.decode_attention(query, keys, values, mask, width, dot=dot)
+            dot: decode_kernels.decode_attention(
+                query, keys, values, mask, width, torch.tensor([newest]), dot=dot
+            )
             for dot in (True, False)
         }
-        scores = torch.einsum("rhd,rhsd->rhs", query, keys[:rows, :, :width].repeat_interleave(
-            heads // kv_heads, dim=1)) + mask[:rows, None, :width]  # fmt: skip
+        used = slice(0, newest + 1)
+        scores = torch.einsum("rhd,rhsd->rhs", query, keys[:rows, :, used].repeat_interleave(
+            heads // kv_heads, dim=1)) + mask[:rows, None, used]  # fmt: skip
         expected = torch.einsum(
             "rhs,rhsd->rhd", scores.softmax(-1),
-            values[:rows, :, :width].repeat_interleave(heads // kv_heads, dim=1),
+            values[:rows, :, used].repeat_interleave(heads // kv_heads, dim=1),
         )  # fmt: skip
         for dot, out in got.items():
             where = "tensor cores" if dot else "CUDA cores"
@@ -238,6 +245,29 @@ def check_kernels_one_by_one() -> dict:
         gaps[f"{name}, stream"] = (stream - expected_stream).abs().max().item()
         gaps[f"{name}, cache"] = (caches["fused"] - caches["apart"]).abs().max().item()
         assert caches["apart"][:, 0, :, 3].abs().sum() > 0  # the reference wrote slot 3
+    # The prefill's rotary embedding and cache writes: a block of 5 prompt tokens a row
+    # from slot 3, each at its own position; padding tokens (`valid` False) leave the cache.
+    heads, kv_heads, dim, per_row, batch = 4, 2, 16, 5, 3
+    qkv = torch.randn(batch * per_row, (heads + 2 * kv_heads) * dim)
+    cos, sin = torch.randn(2, 20, heads + kv_heads, dim)
+    positions = torch.randint(0, 20, (batch * per_row,))
+    valid = torch.rand(batch * per_row) > 0.3
+    keys, values = torch.zeros(2, batch, kv_heads, 9, dim)
+    query = decode_kernels.rope_and_cache(
+        qkv, None, cos, sin, positions, torch.tensor([3]), keys, values, heads, kv_heads,
+        per_row=per_row, valid=valid,
+    )  # fmt: skip
+    x = qkv[:, : (heads + kv_heads) * dim].unflatten(-1, (heads + kv_heads, dim))
+    rotated = x * cos[positions] + x.roll(dim // 2, dims=-1) * sin[positions]
+    expected_keys, expected_values = torch.zeros(2, batch, kv_heads, 9, dim)
+    for token in torch.nonzero(valid)[:, 0].tolist():
+        row, slot = token // per_row, 3 + token % per_row
+        expected_keys[row, :, slot] = rotated[token, heads:]
+        expected_values[row, :, slot] = qkv[token, (heads + kv_heads) * dim :].view(kv_heads, dim)
+    gaps["prefill rotary, queries"] = (query - rotated[:, :heads]).abs().max().item()
+    gaps["prefill rotary, keys"] = (keys - expected_keys).abs().max().item()
+    gaps["prefill rotary, values"] = (values - expected_values).abs().max().item()
+    assert keys[:, :, 3:8].ne(0).any(-1).sum() == valid.sum() * kv_heads  # only valid tokens
     gate_up, bias = torch.randn(1, 600), torch.randn(600)
     gate, up = (gate_up + bias).chunk(2, dim=-1)
     expected = (torch.nn.functional.silu(gate) * up) @ weight.T
@@ -323,7 +353,7 @@ def test_each_kernel_gives_its_torch_ops_result():
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     gaps = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(gaps) == 26
+    assert len(gaps) == 29
     for name, gap in gaps.items():
         assert gap < 1e-4, name
 

@@ -3,11 +3,12 @@
 A captured decode step costs about its kernel count (a few microseconds each), so the
 stretches of a layer that torch runs as several small kernels are one kernel each here:
 - `rope_and_cache`: the q/k/v projection's bias, the rotary embedding of the step's
-  queries and keys (from the decoder's table, by each row's position), the queries written
-  out contiguous for attention, the keys and values written into the KV cache at the
-  step's slot. In torch: the bias inside the product (a copy, then the product), two table
-  lookups a step, then a multiply, a roll, a fused multiply-add, a copy of the queries and
-  two cache writes a layer.
+  queries and keys (from the decoder's table, by each token's position), the queries
+  written out contiguous for attention, the keys and values written into the KV cache at
+  the step's slot (or, in the prefill, at each prompt token's slot, padding left alone).
+  One program a token, all its heads. In torch: the bias inside the product (a copy, then
+  the product), two table lookups a step, then a multiply, a roll, a fused multiply-add, a
+  copy of the queries and two cache writes a layer.
 - `silu_and_mul`: the MLP's bias and silu(gate) * up from the stacked gate/up projection
   (two or three kernels in torch).
 - `add_rms_norm`: a projection's output (and bias) added into the residual stream in
@@ -24,7 +25,8 @@ stretches of a layer that torch runs as several small kernels are one kernel eac
   stops and lengths), where torch runs about two dozen over the vocabulary's width.
 - `decode_attention`: one query token's attention over the static cache (flash-decoding:
   the cache's width split over programs when rows are few, each with its own online
-  softmax, then one kernel combining the parts; a single kernel when rows fill the card).
+  softmax, then one kernel combining the parts; a single kernel when rows fill the card),
+  reading the slots up to the step's own (on the device), not the graph's whole width.
   In torch: the mask's copy, two batched products and a softmax a layer.
 Arithmetic in float32, rounded to the model's dtype where the model's own layers round (a
 projection's output with its bias, the residual sum, the normalised stream). Where Triton is missing (the CPU
@@ -62,43 +64,50 @@ if triton is not None:
     @triton.jit
     def _rope_and_cache_kernel(
         qkv, qkv_row_stride, bias, cos, sin, positions, slot, query, keys, values,
-        cache_row_stride, cache_head_stride,
+        cache_row_stride, cache_head_stride, per_row, valid,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
+        HEADS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        head = tl.program_id(1)  # query heads, then key heads, then value heads
-        offsets = tl.arange(0, DIM)
-        source = qkv + row * qkv_row_stride + head * DIM
-        x = tl.load(source + offsets)
+        """One token's heads in one program: query heads, then key heads, then value heads
+        (a program a head was ~4.6 us a layer at 256 rows on an H100, launch-bound)."""
+        token = tl.program_id(0)
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        dims = tl.arange(0, DIM)[None, :]
+        real = heads < HEADS + 2 * KV_HEADS
+        rotates = heads < HEADS + KV_HEADS
+        # Token t is cache row t // per_row's slot `slot` + t % per_row (one token a row
+        # when decoding, a prompt's block when prefilling).
+        row = token // per_row
+        write = real & (heads >= HEADS)
+        if HAS_VALID:  # padding tokens leave the cache as it is
+            write = write & (tl.load(valid + token) != 0)
+        partner = (dims + DIM // 2) % DIM
+        source = qkv + token * qkv_row_stride + heads * DIM
+        x = tl.load(source + dims, mask=real, other=0.0)
+        rolled = tl.load(source + partner, mask=rotates, other=0.0)
         if HAS_BIAS:  # the projection's bias, rounded with its output as a linear layer's is
-            x = (x.to(tl.float32) + tl.load(bias + head * DIM + offsets).to(tl.float32)).to(
-                qkv.dtype.element_ty
-            )
-        x = x.to(tl.float32)
-        place = tl.load(slot) * DIM + offsets
-        if head < HEADS + KV_HEADS:
-            rolled = tl.load(source + (offsets + DIM // 2) % DIM)
-            if HAS_BIAS:
-                rolled = (
-                    rolled.to(tl.float32)
-                    + tl.load(bias + head * DIM + (offsets + DIM // 2) % DIM).to(tl.float32)
-                ).to(qkv.dtype.element_ty)
-            rolled = rolled.to(tl.float32)
-            table = (tl.load(positions + row) * (HEADS + KV_HEADS) + head) * DIM + offsets
-            rotated = x * tl.load(cos + table).to(tl.float32) + rolled * tl.load(sin + table).to(
-                tl.float32
-            )
-            if head < HEADS:
-                out = query + (row * HEADS + head) * DIM + offsets
-                tl.store(out, rotated.to(query.dtype.element_ty))
-            else:
-                out = keys + row * cache_row_stride + (head - HEADS) * cache_head_stride + place
-                tl.store(out, rotated.to(keys.dtype.element_ty))
-        else:
-            kv_head = head - HEADS - KV_HEADS
-            out = values + row * cache_row_stride + kv_head * cache_head_stride + place
-            tl.store(out, x.to(values.dtype.element_ty))
+            dtype = qkv.dtype.element_ty
+            x = x.to(tl.float32) + tl.load(bias + heads * DIM + dims, mask=real).to(tl.float32)
+            rolled = rolled.to(tl.float32) + tl.load(
+                bias + heads * DIM + partner, mask=rotates
+            ).to(tl.float32)  # fmt: skip
+            x, rolled = x.to(dtype), rolled.to(dtype)
+        x, rolled = x.to(tl.float32), rolled.to(tl.float32)
+        table = (tl.load(positions + token) * (HEADS + KV_HEADS) + heads) * DIM + dims
+        rotated = x * tl.load(cos + table, mask=rotates, other=0.0).to(tl.float32) + rolled * (
+            tl.load(sin + table, mask=rotates, other=0.0).to(tl.float32)
+        )
+        tl.store(
+            query + (token * HEADS + heads) * DIM + dims, rotated.to(query.dtype.element_ty),
+            mask=heads < HEADS,
+        )  # fmt: skip
+        place = (tl.load(slot) + token % per_row) * DIM + dims
+        cache_heads = tl.where(heads >= HEADS + KV_HEADS, heads - HEADS - KV_HEADS, heads - HEADS)
+        at = row * cache_row_stride + cache_heads * cache_head_stride + place
+        tl.store(keys + at, rotated.to(keys.dtype.element_ty), mask=write & rotates)
+        tl.store(
+            values + at, x.to(values.dtype.element_ty), mask=write & (heads >= HEADS + KV_HEADS)
+        )
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -232,7 +241,7 @@ if triton is not None:
 
     @triton.jit
     def _attention_part_kernel(
-        query, keys, values, mask, out, part_max, part_sum, part_acc, width, chunk,
+        query, keys, values, mask, out, part_max, part_sum, part_acc, width, last_slot, chunk,
         cache_row_stride, cache_head_stride, mask_row_stride,
         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
         DIM: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
@@ -252,12 +261,15 @@ if triton is not None:
         acc = tl.zeros([GROUPS_PAD, DIM], tl.float32)
         cache = row * cache_row_stride + head * cache_head_stride
         begin = part * chunk
-        # A while loop: Triton's interpreter (the tests on the CPU) cannot run a for loop
-        # to a bound given at run time. Slots past `width` are masked out.
+        # Only the slots up to the newest are read: the graph's `width` is a bucket, the
+        # slots in use are on the device. A while loop: Triton's interpreter (the tests on
+        # the CPU) cannot run a for loop to a bound given at run time.
+        used = tl.minimum(width, tl.load(last_slot) + 1)
+        end = tl.minimum(begin + chunk, used)
         start = begin
-        while start < begin + chunk:
+        while start < end:
             slots = start + tl.arange(0, BLOCK)
-            inside = slots < width
+            inside = slots < used
             place = cache + slots[:, None] * DIM + dims[None, :]
             k = tl.load(keys + place, mask=inside[:, None], other=0.0)
             if DOT:
@@ -426,19 +438,25 @@ if triton is not None:
 
 
 def rope_and_cache(
-    qkv, bias, cos, sin, positions, slot, keys, values, heads: int, kv_heads: int
+    qkv, bias, cos, sin, positions, slot, keys, values, heads: int, kv_heads: int,
+    per_row: int = 1, valid=None,
 ):  # fmt: skip
-    """Queries [rows, heads, dim] of `qkv` ([rows, (heads + 2 kv heads) x dim], query then
-    key then value heads; plus `bias` unless None) rotated by `cos`/`sin` ([positions,
-    heads + kv heads, dim], the rotate-half sign in `sin`) at each row's position; keys
-    rotated and values written into `keys`/`values` ([rows, kv heads, slots, dim]) at
-    `slot` (a one-element tensor)."""
-    rows, dim = qkv.shape[0], keys.shape[-1]
-    query = torch.empty((rows, heads, dim), dtype=qkv.dtype, device=qkv.device)
-    _rope_and_cache_kernel[(rows, heads + 2 * kv_heads)](
+    """Queries [tokens, heads, dim] of `qkv` ([tokens, (heads + 2 kv heads) x dim], query
+    then key then value heads; plus `bias` unless None) rotated by `cos`/`sin` ([positions,
+    heads + kv heads, dim], the rotate-half sign in `sin`) at each token's position
+    (`positions`, [tokens]); keys rotated and values written into `keys`/`values` ([rows,
+    kv heads, slots, dim]). Token t belongs to row t // `per_row` and goes to its slot
+    `slot` (a one-element tensor) + t % `per_row`: one token a row when decoding, a row's
+    block of prompt tokens when prefilling. `valid` ([tokens], bool): only those tokens'
+    keys and values are written (None: all)."""
+    tokens, dim = qkv.shape[0], keys.shape[-1]
+    query = torch.empty((tokens, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_and_cache_kernel[(tokens,)](
         qkv, qkv.stride(0), qkv if bias is None else bias, cos, sin, positions, slot, query,
-        keys, values, keys.stride(0), keys.stride(1), HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
-        HAS_BIAS=bias is not None,
+        keys, values, keys.stride(0), keys.stride(1), per_row, qkv if valid is None else valid,
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
+        HEADS_PAD=triton.next_power_of_2(heads + 2 * kv_heads), HAS_BIAS=bias is not None,
+        HAS_VALID=valid is not None,
     )  # fmt: skip
     return query
 
@@ -550,10 +568,11 @@ def attention_parts(pairs: int, width: int, dot: bool) -> tuple[int, int]:
     return triton.cdiv(width, chunk), chunk
 
 
-def decode_attention(query, keys, values, mask, width: int, dot: bool | None = None):
+def decode_attention(query, keys, values, mask, width: int, last_slot, dot: bool | None = None):
     """One token's attention: `query` [rows, heads, dim] (scaled) over the first `width`
-    slots of `keys`/`values` ([rows, kv heads, slots, dim] or wider in rows), `mask`
-    ([rows, slots], added to the scores: 0 or -inf). Returns [rows, heads x dim].
+    slots of `keys`/`values` ([rows, kv heads, slots, dim] or wider in rows) up to the slot
+    `last_slot` (a one-element tensor: later slots are not read), `mask` ([rows, slots], added
+    to the scores: 0 or -inf). Returns [rows, heads x dim].
     `dot`: the products on tensor cores (tl.dot, the query heads of a kv head padded to 16
     rows), else on the CUDA cores in float32; None: tensor cores where a kv head serves
     several query heads."""
@@ -573,7 +592,7 @@ def decode_attention(query, keys, values, mask, width: int, dot: bool | None = N
     part_acc = torch.empty((*shape, dim if split else 1), dtype=torch.float32, device=query.device)
     common = dict(KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim)
     _attention_part_kernel[(pairs, parts)](
-        query, keys, values, mask, out, part_max, part_sum, part_acc, width, chunk,
+        query, keys, values, mask, out, part_max, part_sum, part_acc, width, last_slot, chunk,
         keys.stride(0), keys.stride(1), mask.stride(0), **common, BLOCK=ATTENTION_TILES[dot][0],
         SPLIT=split, DOT=dot,
     )  # fmt: skip

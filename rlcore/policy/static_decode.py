@@ -29,7 +29,9 @@ RMSNorm, the rotary embedding from a table (attention's scaling folded into the 
 rows) applied to queries and keys at once, residual additions inside the output
 projections' matrix products, and the attention mask an additive bias; on CUDA with
 Triton, two fused kernels (decode_kernels) take the rotary embedding with the cache writes
-and the silu gate. Other architectures keep the dynamic loop. Without CUDA the same code
+and the silu gate, in the step and in the prefill, and attention reads the cache only up to
+the step's slot (the graph's length bucket is an upper bound). Other architectures keep the
+dynamic loop. Without CUDA the same code
 runs eagerly, which is how the CPU tests check it against the dynamic loop.
 """
 
@@ -409,7 +411,11 @@ class StaticDecoder:
         base = width - length
         slots = torch.arange(base, width, device=ids.device)
         positions = (slots[None] - first[:, None]).clamp(min=0)  # [B, S]
-        cos, sin = ws.rope_cos[positions], ws.rope_sin[positions]  # [B, S, heads + kv, dim]
+        if self.kernels:  # the rotary embedding and the cache writes in one kernel a layer
+            block_start = torch.full((1,), base, dtype=torch.long, device=ids.device)
+            token_positions, token_valid = positions.flatten(), valid.flatten()
+        else:
+            cos, sin = ws.rope_cos[positions], ws.rope_sin[positions]  # [B, S, heads + kv, dim]
         cached = torch.arange(width, device=ids.device)
         mask = (cached[None, None] >= first[:, None, None]) & (
             cached[None, None] <= slots[None, :, None]
@@ -422,16 +428,23 @@ class StaticDecoder:
         for index, (layer, fused) in enumerate(zip(inner.layers, self._fused, strict=True)):
             attention = layer.self_attn
             qkv = F.linear(_rms_norm(layer.input_layernorm, hidden), fused.qkv, fused.qkv_bias)
-            qkv = qkv.view(batch, length, -1)
-            qk = self._rotated_heads(attention, qkv, cos, sin).transpose(1, 2)
-            key = qk[:, heads:]
-            value = qkv[..., (heads + kv_heads) * dim :].unflatten(-1, (kv_heads, dim))
-            value = value.transpose(1, 2)
-            for cache, new in ((ws.keys, key), (ws.values, value)):
-                block = cache[index, rows, :, base:width]
-                block.copy_(torch.where(valid[:, None, :, None], new, block) if keep else new)
+            if self.kernels:
+                query = decode_kernels.rope_and_cache(
+                    qkv, None, ws.rope_cos, ws.rope_sin, token_positions, block_start,
+                    ws.keys[index, rows], ws.values[index, rows], heads, kv_heads,
+                    per_row=length, valid=token_valid if keep else None,
+                ).view(batch, length, heads, dim).transpose(1, 2)  # fmt: skip
+            else:
+                qkv = qkv.view(batch, length, -1)
+                qk = self._rotated_heads(attention, qkv, cos, sin).transpose(1, 2)
+                query, key = qk[:, :heads], qk[:, heads:]
+                value = qkv[..., (heads + kv_heads) * dim :].unflatten(-1, (kv_heads, dim))
+                value = value.transpose(1, 2)
+                for cache, new in ((ws.keys, key), (ws.values, value)):
+                    block = cache[index, rows, :, base:width]
+                    block.copy_(torch.where(valid[:, None, :, None], new, block) if keep else new)
             out = F.scaled_dot_product_attention(
-                qk[:, :heads], ws.keys[index, rows, :, :width], ws.values[index, rows, :, :width],
+                query, ws.keys[index, rows, :, :width], ws.values[index, rows, :, :width],
                 attn_mask=mask, scale=1.0, enable_gqa=heads != kv_heads,
             )  # fmt: skip
             hidden = _add_linear(
@@ -440,8 +453,12 @@ class StaticDecoder:
             gate_up = F.linear(
                 _rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up, fused.gate_up_bias
             )
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = _add_linear(hidden, layer.mlp.act_fn(gate) * up, layer.mlp.down_proj)
+            if self.kernels:
+                gated = decode_kernels.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                gated = layer.mlp.act_fn(gate) * up
+            hidden = _add_linear(hidden, gated, layer.mlp.down_proj)
         last = hidden.view(batch, length, -1)[:, -1]
         return self.model.lm_head(_rms_norm(inner.norm, last)), width - first
 
@@ -565,7 +582,7 @@ class StaticDecoder:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         if self.kernel_attention:
             return decode_kernels.decode_attention(
-                query, ws.keys[index], ws.values[index], ws.mask, width
+                query, ws.keys[index], ws.values[index], ws.mask, width, ws.slot
             )
         query = query.reshape(rows * kv_heads, heads // kv_heads, dim)
         keys = ws.keys[index, :rows, :, :width].reshape(rows * kv_heads, width, dim)
