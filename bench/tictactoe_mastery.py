@@ -255,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         "right (needs --rl-turn-reward-weight)",
     )
     parser.add_argument(
+        "--rl-self-play",
+        type=float,
+        default=0.0,
+        help="env param self_play: share of the RL games whose opponent is the policy itself",
+    )
+    parser.add_argument(
         "--rl-loss-reward",
         type=float,
         default=0.0,
@@ -331,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 "draw_reward": args.rl_draw_reward,
                 "loss_reward": args.rl_loss_reward,
                 "think_reward": args.rl_think_reward,
+                "self_play": args.rl_self_play,
             },
             output_dir=str(out / "rl"),
             max_steps=args.rl_max_steps,

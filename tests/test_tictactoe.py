@@ -96,6 +96,7 @@ def test_registry_builds_the_env_with_defaults():
         "loss_reward": 0.0,
         "reasoning": "empty",
         "think_reward": 0.0,
+        "self_play": 0.0,
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
     }
@@ -801,3 +802,93 @@ async def test_play_session_and_the_env_judge_hostile_replies_alike():
     last = await forfeit.model_turn(ScriptedPolicy(list(replies)), SAMPLING, len(replies))
     assert last["error"] == f"cell {taken} is taken" and forfeit.outcome == "unfinished"
     assert forfeit.messages[-1] == rollout.messages[1 + tries]
+
+
+# ---------------------------------------------------------------------------------------
+# Self-play
+
+
+class RecordingPolicy(Policy):
+    """`inner`'s replies, each prompt and state it was handed kept; replies in `bad_marks`'
+    games are replaced by an invalid one."""
+
+    name = "recording"
+
+    def __init__(self, inner: Policy, bad_marks: tuple[str, ...] = ()):
+        self.inner, self.bad_marks, self.calls = inner, bad_marks, []
+
+    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
+        generation = await self.inner.generate(messages, sampling, tools=tools, state=state)
+        if state["model_mark"] in self.bad_marks:
+            generation = Generation(text="<think></think><move>9</move>")
+        self.calls.append((messages, dict(state), generation.text))
+        return generation
+
+
+def test_self_play_is_drawn_per_example_and_changes_nothing_else():
+    plain = TicTacToeEnv().examples(200, seed=3)
+    half = TicTacToeEnv(self_play=0.5).examples(200, seed=3)
+    chosen = [example.info.pop("self_play", False) for example in half]
+    assert 70 < sum(chosen) < 130
+    assert [e.info for e in half] == [e.info for e in plain]
+    assert [e.prompt for e in half] == [e.prompt for e in plain]
+    assert not any("self_play" in e.info for e in TicTacToeEnv(self_play=0.0).examples(50, seed=3))
+
+
+async def test_without_self_play_the_policy_never_plays_the_opponent():
+    policy = RecordingPolicy(RandomValidPolicy(seed=1))
+    env = TicTacToeEnv(model_mark="X")
+    rollouts = await play_all(env, policy, 30)
+    assert {call[1]["model_mark"] for call in policy.calls} == {"X"}
+    assert sum(r.state["model_turns"] for r in rollouts) == len(policy.calls)
+    assert all(env.rollout_metrics(r)["self_play"] == 0.0 for r in rollouts)
+
+
+async def test_a_self_play_opponent_plays_the_policys_own_moves_from_its_side():
+    env = TicTacToeEnv(self_play=1.0, min_random_move_prob=1.0, max_random_move_prob=1.0)
+    policy = RecordingPolicy(RandomValidPolicy(seed=4))
+    rollouts = await play_all(env, policy, 40)
+    for rollout in rollouts:
+        assert rollout.state["self_play"] and rollout.state["self_play_fallbacks"] == 0
+        model, opponent = rollout.state["model_mark"], rollout.state["opponent_mark"]
+        asked = [call for call in policy.calls if call[1]["seed"] == rollout.seed]
+        theirs = [call for call in asked if call[1]["model_mark"] == opponent]
+        # Each opponent move after the first (a game the opponent starts opens with the
+        # minimax move) is the policy's reply, asked as the opponent with the board then.
+        moves = [m for m in rollout.state["moves"] if m["player"] == "opponent"]
+        moves = moves[1:] if not rollout.info["model_starts"] else moves
+        assert [parse_move(call[2], call[1]["board"])[0] for call in theirs] == [
+            m["cell"] for m in moves
+        ]
+        for messages, view, _ in theirs:
+            assert f"as {opponent}" in messages[0]["content"] and len(messages) == 2
+            assert render_board(view["board"]) + "\nYour move." in messages[1]["content"]
+        # Only the model's side is the rollout's: the turns it counts are the model's.
+        assert rollout.num_turns == rollout.state["model_turns"] == len(asked) - len(theirs)
+        assert all(call[1]["model_mark"] == model for call in asked if call not in theirs)
+
+
+async def test_an_oracle_in_self_play_draws_every_game():
+    # Against a random opponent the oracle wins most games; against itself, none.
+    env = TicTacToeEnv(min_random_move_prob=1.0, max_random_move_prob=1.0)
+    alone = Counter(r.outcome for r in await play_all(env, OraclePolicy(), 60))
+    assert alone["win"] > 40
+    env = TicTacToeEnv(self_play=1.0, min_random_move_prob=1.0, max_random_move_prob=1.0)
+    assert Counter(r.outcome for r in await play_all(env, OraclePolicy(), 60)) == {"draw": 60}
+
+
+async def test_an_invalid_self_play_reply_falls_back_to_the_minimax_move():
+    env = TicTacToeEnv(self_play=1.0, model_mark="X", min_random_move_prob=0.0,
+                       max_random_move_prob=0.0)  # fmt: skip
+    # The opponent (O) always replies off the board: every one of its moves is minimax's,
+    # so the oracle draws every game, and each fallback is counted.
+    rollouts = await play_all(env, RecordingPolicy(OraclePolicy(), bad_marks=("O",)), 30)
+    assert Counter(r.outcome for r in rollouts) == {"draw": 30}
+    for rollout in rollouts:
+        opponent_moves = [m for m in rollout.state["moves"] if m["player"] == "opponent"]
+        started = 0 if rollout.info["model_starts"] else 1
+        assert rollout.state["self_play_fallbacks"] == len(opponent_moves) - started > 0
+        metrics = env.rollout_metrics(rollout)
+        assert metrics["self_play"] == 1.0
+        assert metrics["self_play_fallbacks"] == rollout.state["self_play_fallbacks"]
+        assert rollout.state["invalid_moves"] == 0  # the opponent's errors are not the model's

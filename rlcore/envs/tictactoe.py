@@ -15,6 +15,13 @@ makes the winner finish and the loser block. An invalid reply (no move tag, not 
 off the board, taken cell) does not end the game: the env says what was wrong, shows the
 same board and the model tries again, each try counting toward `max_turns`.
 
+Self-play (`self_play` > 0): that share of the examples, drawn per example, meet the policy
+itself instead of the minimax opponent. Each opponent move is the policy's own reply,
+sampled as the model's are, to a one-turn prompt of the board from the opponent's side
+(its mark in the system prompt, the model's last move announced); an invalid reply there
+falls back to the minimax opponent's move, so the game goes on. Only the model's side is a
+rollout's turns; the opening move of a game the opponent starts stays the minimax one.
+
 This module holds the prompts, the rubric and `TicTacToeEnv`; how one model reply is
 judged (`game_state`, `model_reply`) is shared with the Play page's game
 (tictactoe_play.py). The rules and the solver are in tictactoe_game.py, the built-in
@@ -23,6 +30,7 @@ players in tictactoe_players.py.
 
 from __future__ import annotations
 
+import contextvars
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -53,7 +61,12 @@ from rlcore.envs.tictactoe_players import OraclePolicy, RandomValidPolicy
 from rlcore.parsers import XMLParser
 from rlcore.policy.base import ConstantPolicy, Policy
 from rlcore.rubric import Rubric
-from rlcore.types import Example, Message, Rollout
+from rlcore.types import Example, Message, Rollout, SamplingParams
+
+# The policy and sampling of the rollout in progress (per asyncio task), for self-play.
+_PLAYER: contextvars.ContextVar[tuple[Policy, SamplingParams] | None] = contextvars.ContextVar(
+    "tictactoe_player", default=None
+)
 
 # A win pays 1; the draw and loss rewards are env params (an unfinished game pays the loss
 # reward), these their defaults.
@@ -298,6 +311,16 @@ class TicTacToeEnv(MultiTurnEnv):
             max=10.0,
         ),
         Param(
+            "self_play",
+            float,
+            0.0,
+            "Share of the games (drawn per example) whose opponent is the policy itself: "
+            "each opponent move is its own sampled reply from the opponent's side, an "
+            "invalid one replaced by the minimax opponent's move. 0: minimax in every game.",
+            min=0.0,
+            max=1.0,
+        ),
+        Param(
             "invalid_move_penalty",
             float,
             0.1,
@@ -397,6 +420,8 @@ class TicTacToeEnv(MultiTurnEnv):
             board, model_mark, opening_rng.randint(0, self.config["opening_moves"]), opening_rng
         )
         last_opponent_cell = opening[-1] if opening else first_move
+        # Its own stream: adding self-play changes no other draw of the example.
+        self_play = random.Random(stable_seed("self-play", ex_seed)).random()
         prompt = [
             {"role": "system", "content": system_prompt(model_mark)},
             {"role": "user", "content": board_message(board, opponent_cell=last_opponent_cell)},
@@ -412,6 +437,7 @@ class TicTacToeEnv(MultiTurnEnv):
                 "model_starts": model_starts,
                 "opponent_first_move": first_move,
                 "opening": opening,
+                **({"self_play": True} if self_play < self.config["self_play"] else {}),
             },
         )
 
@@ -436,7 +462,18 @@ class TicTacToeEnv(MultiTurnEnv):
             )
             play_move(state["board"], state["moves"], cell, mark, player)
             state["moves"][-1]["opening"] = True
+        if example.info.get("self_play"):
+            state["self_play"] = True
+            state["self_play_fallbacks"] = 0  # opponent replies that were not a valid move
         return state
+
+    async def rollout(self, policy: Policy, example: Example, sampling: SamplingParams) -> Rollout:
+        """A game, with the policy and sampling at hand for a self-play opponent's moves."""
+        token = _PLAYER.set((policy, sampling))
+        try:
+            return await super().rollout(policy, example, sampling)
+        finally:
+            _PLAYER.reset(token)
 
     def is_completed(self, messages: list[Message], state: dict) -> bool:
         return game_over(state["board"])
@@ -446,24 +483,59 @@ class TicTacToeEnv(MultiTurnEnv):
         rest of the game depends on nothing else, whatever was thought on the way."""
         return f"{''.join(state['board'])}/{state['model_turns']}"
 
-    def env_response(self, messages: list[Message], state: dict) -> list[Message]:
-        board = state["board"]
+    def env_response(self, messages: list[Message], state: dict):
+        """The model's reply judged and played, then the opponent's move and the board: a
+        list of messages, or for a self-play game an awaitable of it (the opponent's move
+        is the policy's)."""
         cell, error = model_reply(state, messages[-1].get("content"))
         if error is not None:
             return [retry_message(state, error)]
-        opponent_cell = None
-        if not game_over(board):
-            opponent_cell = opponent_move(
-                board, state["opponent_mark"], state["random_move_prob"], state["seed"]
-            )
+        if game_over(state["board"]):
+            return self._answer(state, None)
+        player = _PLAYER.get()
+        if state.get("self_play") and player is not None:
+            return self._self_play_answer(state, cell, *player)
+        return self._answer(state, self._minimax_move(state))
+
+    @staticmethod
+    def _minimax_move(state: dict) -> int:
+        return opponent_move(
+            state["board"], state["opponent_mark"], state["random_move_prob"], state["seed"]
+        )
+
+    @staticmethod
+    def _answer(state: dict, opponent_cell: int | None) -> list[Message]:
+        """`opponent_cell` played (None: the game is over), and the message saying so."""
+        board = state["board"]
+        if opponent_cell is not None:
             play_move(board, state["moves"], opponent_cell, state["opponent_mark"], "opponent")
         state["winner"] = winner(board)
         content = board_message(
-            board,
-            opponent_cell=opponent_cell,
-            result=result_for(board, state["model_mark"]),
+            board, opponent_cell=opponent_cell, result=result_for(board, state["model_mark"])
         )
         return [{"role": "user", "content": content}]
+
+    async def _self_play_answer(
+        self, state: dict, model_cell: int, policy: Policy, sampling: SamplingParams
+    ) -> list[Message]:
+        """The policy's own move from the opponent's side of the board (a one-turn prompt,
+        as an example starting mid-game has), or the minimax move where its reply is not a
+        valid move; a policy error ends the rollout as the model's own would."""
+        board, mark = state["board"], state["opponent_mark"]
+        prompt = [
+            {"role": "system", "content": system_prompt(mark)},
+            {"role": "user", "content": board_message(board, opponent_cell=model_cell)},
+        ]
+        view = {
+            "seed": state["seed"], "board": list(board), "model_mark": mark,
+            "reasoning": state["reasoning"],
+        }  # fmt: skip
+        generation = await policy.generate(prompt, sampling, state=view)
+        cell, error = parse_move(generation.text, board)
+        if error is not None:
+            state["self_play_fallbacks"] += 1
+            cell = self._minimax_move(state)
+        return self._answer(state, cell)
 
     def outcome(self, state: dict, rewards: dict[str, float]) -> str:
         return outcome_label(state)
@@ -482,6 +554,9 @@ class TicTacToeEnv(MultiTurnEnv):
             # Share of the model's replies whose think block stated the board's facts
             # exactly as the env's `reasoning` format does.
             "think_correct_rate": sum(thinks) / len(thinks) if thinks else 0.0,
+            # Games against the policy itself, and their opponent replies that were no move.
+            "self_play": float(bool(rollout.state.get("self_play"))),
+            "self_play_fallbacks": float(rollout.state.get("self_play_fallbacks", 0)),
         }
 
     def turn_rewards(self, rollout: Rollout) -> list[float] | None:
