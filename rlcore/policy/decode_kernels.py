@@ -474,13 +474,16 @@ def silu_and_mul(gate_up, bias=None):
     return out
 
 
-def gemv_blocks(n: int, k: int) -> tuple[int, int]:
-    """(outputs, inputs) a gemv program reads a tile of: whole rows of up to 1,024 inputs,
-    and 2-8 outputs, so that a projection runs about 256 programs or more. The fastest
-    tiles of a sweep on an H100 for Qwen2-0.5B's and the tiny model's projections
-    (docs/BENCHMARKS.md)."""
-    per_program = max(1, n // 256)
-    return max(2, min(8, 1 << (per_program.bit_length() - 1))), min(1024, triton.next_power_of_2(k))
+def gemv_blocks(n: int, k: int) -> tuple[int, int, int]:
+    """(outputs, inputs, warps) of a gemv program: two outputs on four warps, whole rows of
+    up to 1,024 inputs, where outputs are few (up to 2,048); else four outputs on one warp,
+    rows read 512 inputs at a time. The fastest of a sweep on an H200 of the decoder's
+    own calls (norm or silu prologue, rotary epilogue) with each weight read cold, as a
+    decode step reads it (docs/BENCHMARKS.md): Qwen2-0.5B's q/k/v 3.4 us a call and
+    gate/up 7.2 us against 4.6 and 8.0 for the tiles chosen earlier with the weights in L2."""
+    if n <= 2048:
+        return 2, min(1024, triton.next_power_of_2(k)), 4
+    return 4, min(512, triton.next_power_of_2(k)), 1
 
 
 def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=True,
@@ -488,7 +491,7 @@ def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=
     n, k = weight.shape
     out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
     new_stream = torch.empty_like(residual) if residual is not None else None
-    block_n, block_k = gemv_blocks(n, k)
+    block_n, block_k, warps = gemv_blocks(n, k)
     if rope is None:
         rope_args, rope_shape = (out,) * 8 + (0,), dict(HEADS=1, KV_HEADS=1, DIM=2)
     else:
@@ -502,7 +505,7 @@ def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=
         0.0 if norm is None else norm.variance_epsilon, weight, out, n, *rope_args, K=k,
         PROLOGUE=prologue, HAS_ADD=add, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROPE=rope is not None,
-        HAS_OUT_BIAS=rope is not None and rope["bias"] is not None, **rope_shape, num_warps=4,
+        HAS_OUT_BIAS=rope is not None and rope["bias"] is not None, **rope_shape, num_warps=warps,
     )  # fmt: skip
     return out, new_stream
 
