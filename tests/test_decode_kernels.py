@@ -190,6 +190,19 @@ def check_kernels_one_by_one() -> dict:
         for dot, out in got.items():
             where = "tensor cores" if dot else "CUDA cores"
             gaps[f"attention, {case}, {where}"] = (out - expected.flatten(1)).abs().max().item()
+        if rows == 1:  # one row's parts left uncombined, combined by the o projection's gemv
+            weight = torch.randn(70, heads * dim)
+            for dot in (True, False):
+                parts = decode_kernels.decode_attention(
+                    query, keys, values, mask, width, torch.tensor([newest]), dot=dot,
+                    combine=False,
+                )  # fmt: skip
+                assert isinstance(parts, decode_kernels.AttentionParts) and parts.parts > 1
+                out = decode_kernels.gemv_after_attention(weight, parts)
+                where = "tensor cores" if dot else "CUDA cores"
+                gaps[f"gemv after attention's parts ({parts.parts}), {where}"] = (
+                    (out - expected.flatten(1) @ weight.T).abs().max().item()
+                )
     # The residual addition with a bias and the next norm.
     norm = torch.nn.RMSNorm(48, eps=1e-6)
     norm.variance_epsilon = norm.eps
@@ -353,7 +366,7 @@ def test_each_kernel_gives_its_torch_ops_result():
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     gaps = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(gaps) == 29
+    assert len(gaps) == 31
     for name, gap in gaps.items():
         assert gap < 1e-4, name
 

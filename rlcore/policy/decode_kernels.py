@@ -37,6 +37,7 @@ on the CPU, which is how the tests check them against the torch ops.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -374,13 +375,43 @@ if triton is not None:
         )
 
     @triton.jit
+    def _combined_parts(
+        part_acc, part_max, part_sum, parts, ks, inside, dtype, HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr, DIM: tl.constexpr, GROUPS_PAD: tl.constexpr,
+        PARTS_PAD: tl.constexpr,
+    ):  # fmt: skip
+        """One row's attention output at inputs `ks` (head x DIM + dim) from the parts of
+        a split width, as `_attention_combine_kernel` writes it (rounded to `dtype`)."""
+        head = ks // DIM
+        groups = HEADS // KV_HEADS
+        first = ((head // groups) * parts) * GROUPS_PAD + head % groups  # part 0's entry
+        overall = tl.full(ks.shape, float("-inf"), tl.float32)
+        for part in tl.static_range(PARTS_PAD):
+            there = inside & (part < parts)
+            at = first + part * GROUPS_PAD
+            overall = tl.maximum(overall, tl.load(part_max + at, mask=there, other=float("-inf")))
+        total = tl.zeros(ks.shape, tl.float32)
+        acc = tl.zeros(ks.shape, tl.float32)
+        for part in tl.static_range(PARTS_PAD):
+            there = inside & (part < parts)
+            at = first + part * GROUPS_PAD
+            # A part that saw nothing: exp(-inf) = 0; lanes past K read nothing at all.
+            scale = tl.exp(tl.load(part_max + at, mask=there, other=float("-inf")) - overall)
+            scale = tl.where(there, scale, 0.0)
+            total += scale * tl.load(part_sum + at, mask=there, other=0.0)
+            acc += scale * tl.load(part_acc + at * DIM + ks % DIM, mask=there, other=0.0)
+        value = (acc / tl.where(inside, total, 1.0)).to(dtype).to(tl.float32)
+        return tl.where(inside, value, 0.0)
+
+    @triton.jit
     def _gemv_kernel(
         x, bias, residual, residual_out, norm_weight, eps, weight, out, n,
-        out_bias, cos, sin, positions, slot, query, keys, values, cache_head_stride,
+        out_bias, cos, sin, positions, slot, query, keys, values, cache_head_stride, parts,
         K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_ADD: tl.constexpr,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROPE: tl.constexpr, HAS_OUT_BIAS: tl.constexpr, HEADS: tl.constexpr,
-        KV_HEADS: tl.constexpr, DIM: tl.constexpr,
+        KV_HEADS: tl.constexpr, DIM: tl.constexpr, GROUPS_PAD: tl.constexpr,
+        PARTS_PAD: tl.constexpr,
     ):  # fmt: skip
         lanes = tl.arange(0, BLOCK_N)
         if ROPE:  # pairs of dims DIM / 2 apart, so the rotation stays in the program
@@ -421,6 +452,11 @@ if triton is not None:
                     up = (up.to(tl.float32) + up_bias).to(dtype)
                 gate, up = gate.to(tl.float32), up.to(tl.float32)
                 value = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+            elif PROLOGUE == 3:  # the input is attention's parts: combined as they are read
+                value = _combined_parts(
+                    x, bias, residual, parts, ks, inside, dtype, HEADS, KV_HEADS, DIM,
+                    GROUPS_PAD, PARTS_PAD,
+                )  # fmt: skip
             else:
                 value = tl.load(x + ks, mask=inside, other=0.0).to(tl.float32)
             tile = tl.load(
@@ -487,7 +523,7 @@ def gemv_blocks(n: int, k: int) -> tuple[int, int, int]:
 
 
 def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=True,
-          rope=None):  # fmt: skip
+          rope=None, attention=None):  # fmt: skip
     n, k = weight.shape
     out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
     new_stream = torch.empty_like(residual) if residual is not None else None
@@ -499,13 +535,21 @@ def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=
             "cos", "sin", "positions", "slot", "query", "keys", "values")),
             rope["keys"].stride(1))  # fmt: skip
         rope_shape = dict(HEADS=rope["heads"], KV_HEADS=rope["kv_heads"], DIM=rope["dim"])
+    parts, parts_shape = 1, dict(GROUPS_PAD=1, PARTS_PAD=1)
+    if attention is not None:  # x, bias, residual: the parts' accumulators, maxima, sums
+        x, bias, residual = attention.acc, attention.max, attention.sum
+        parts = attention.parts
+        rope_shape = dict(HEADS=attention.heads, KV_HEADS=attention.kv_heads, DIM=attention.dim)
+        parts_shape = dict(GROUPS_PAD=attention.max.shape[1],
+                           PARTS_PAD=triton.next_power_of_2(parts))  # fmt: skip
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x if bias is None else bias, x if residual is None else residual,
         out if new_stream is None else new_stream, weight if norm is None else norm.weight,
-        0.0 if norm is None else norm.variance_epsilon, weight, out, n, *rope_args, K=k,
+        0.0 if norm is None else norm.variance_epsilon, weight, out, n, *rope_args, parts, K=k,
         PROLOGUE=prologue, HAS_ADD=add, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROPE=rope is not None,
-        HAS_OUT_BIAS=rope is not None and rope["bias"] is not None, **rope_shape, num_warps=warps,
+        HAS_OUT_BIAS=rope is not None and rope["bias"] is not None, **rope_shape, **parts_shape,
+        num_warps=warps,
     )  # fmt: skip
     return out, new_stream
 
@@ -536,6 +580,15 @@ def gemv_rope_after_norm(weight, x, bias, residual, norm, qkv_bias, cos, sin, po
     _, stream = _gemv(weight, residual if x is None else x, 1, bias=bias, residual=residual,
                       norm=norm, add=x is not None, rope=rope)  # fmt: skip
     return query, stream
+
+
+def gemv_after_attention(weight, attended):
+    """attended @ weight.T for one row, where `attended` is `decode_attention`'s output
+    ([1, heads x dim]) or, for a split width, its `AttentionParts`: then the parts are
+    combined as the gemv reads them (one kernel, where the combine was one more)."""
+    if isinstance(attended, AttentionParts):
+        return _gemv(weight, None, 3, attention=attended)[0]
+    return _gemv(weight, attended, 0)[0]
 
 
 def gemv_after_silu(weight, gate_up, bias):
@@ -571,11 +624,28 @@ def attention_parts(pairs: int, width: int, dot: bool) -> tuple[int, int]:
     return triton.cdiv(width, chunk), chunk
 
 
-def decode_attention(query, keys, values, mask, width: int, last_slot, dot: bool | None = None):
+class AttentionParts(NamedTuple):
+    """A split width's partial results, for `gemv_after_attention` to combine: per (row x kv
+    head x part, query head of the kv head padded to `max.shape[1]`) the running max, the
+    exp-sum and (with `dim` more) the weighted values."""
+
+    max: torch.Tensor
+    sum: torch.Tensor
+    acc: torch.Tensor
+    parts: int
+    heads: int
+    kv_heads: int
+    dim: int
+
+
+def decode_attention(query, keys, values, mask, width: int, last_slot, dot: bool | None = None,
+                     combine: bool = True):  # fmt: skip
     """One token's attention: `query` [rows, heads, dim] (scaled) over the first `width`
     slots of `keys`/`values` ([rows, kv heads, slots, dim] or wider in rows) up to the slot
     `last_slot` (a one-element tensor: later slots are not read), `mask` ([rows, slots], added
-    to the scores: 0 or -inf). Returns [rows, heads x dim].
+    to the scores: 0 or -inf). Returns [rows, heads x dim]; with `combine` false and the
+    width split (one row only), the parts uncombined (`AttentionParts`), for
+    `gemv_after_attention`.
     `dot`: the products on tensor cores (tl.dot, the query heads of a kv head padded to 16
     rows), else on the CUDA cores in float32; None: tensor cores where a kv head serves
     several query heads."""
@@ -584,6 +654,8 @@ def decode_attention(query, keys, values, mask, width: int, last_slot, dot: bool
     groups = heads // kv_heads
     pairs = rows * kv_heads
     dot = groups > 1 if dot is None else dot
+    if not combine and rows != 1:
+        raise ValueError("decode_attention: parts are left uncombined for one row only")
     parts, chunk = attention_parts(pairs, width, dot)
     # Query heads a program reads at once: tl.dot's tiles have at least 16 rows.
     groups_pad = max(16 if dot else 1, triton.next_power_of_2(groups))
@@ -599,6 +671,8 @@ def decode_attention(query, keys, values, mask, width: int, last_slot, dot: bool
         keys.stride(0), keys.stride(1), mask.stride(0), **common, BLOCK=ATTENTION_TILES[dot][0],
         SPLIT=split, DOT=dot,
     )  # fmt: skip
+    if split and not combine:
+        return AttentionParts(part_max, part_sum, part_acc, parts, heads, kv_heads, dim)
     if split:
         _attention_combine_kernel[(pairs,)](
             part_max, part_sum, part_acc, out, parts, **common,

@@ -530,8 +530,8 @@ class StaticDecoder:
 
     def _layers_one_row(self, ws: _Workspace, width: int, hidden) -> torch.Tensor:
         """One row's layers: each projection a gemv kernel that does the norm or the silu
-        gate on its input as it reads it (and the q/k/v one the rotary embedding and the
-        cache writes on its output). `pending` is the last projection's output (and
+        gate on its input as it reads it (the q/k/v one the rotary embedding and the cache
+        writes on its output, the o one the combining of attention's parts on its input). `pending` is the last projection's output (and
         bias), which the next one adds into the stream (a new tensor each time)."""
         layers = self.model.model.layers
         mask = self._attention_mask(ws, 1, width)
@@ -543,9 +543,15 @@ class StaticDecoder:
                 ws.rope_cos, ws.rope_sin, ws.positions[:1], ws.slot, ws.keys[index],
                 ws.values[index], self.heads, self.kv_heads,
             )  # fmt: skip
-            attended = self._attention(ws, index, query, 1, width, mask)
+            if self.kernel_attention:  # a split width's parts combined in the o gemv
+                attended = decode_kernels.decode_attention(
+                    query, ws.keys[index], ws.values[index], ws.mask, width, ws.slot,
+                    combine=False,
+                )  # fmt: skip
+            else:
+                attended = self._attention(ws, index, query, 1, width, mask)
             gate_up, hidden = decode_kernels.gemv_after_norm(
-                fused.gate_up, decode_kernels.gemv(attention.o_proj.weight, attended),
+                fused.gate_up, decode_kernels.gemv_after_attention(attention.o_proj.weight, attended),
                 attention.o_proj.bias, hidden, layer.post_attention_layernorm,
             )  # fmt: skip
             down = decode_kernels.gemv_after_silu(mlp.down_proj.weight, gate_up, fused.gate_up_bias)
