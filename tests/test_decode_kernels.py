@@ -376,6 +376,14 @@ def test_the_kernels_are_refused_where_they_cannot_run():
 
     with pytest.raises(ValueError, match="decode kernels cannot run"):
         StaticDecoder(model_of(Qwen2Config), [0], 0, use_graphs=False, kernels=True)
+    # Dependent launch (its wait and trigger are inline PTX) only for compiled kernels on a
+    # card: never on the CPU, and never under Triton's interpreter, which runs no PTX.
+    from rlcore.policy import decode_kernels
+
+    assert decode_kernels.dependent_launch(torch.device("cpu")) == {"PDL": False}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        assert decode_kernels.dependent_launch(torch.device("cuda", 0)) == {"PDL": False}
 
 
 if __name__ == "__main__":  # the child of the tests above that need Triton's interpreter

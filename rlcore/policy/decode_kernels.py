@@ -28,6 +28,9 @@ stretches of a layer that torch runs as several small kernels are one kernel eac
   softmax, then one kernel combining the parts; a single kernel when rows fill the card),
   reading the slots up to the step's own (on the device), not the graph's whole width.
   In torch: the mask's copy, two batched products and a softmax a layer.
+On Hopper and later the gemv, attention and norm kernels take programmatic dependent
+launch (`dependent_launch`): each lets the next kernel start while it runs, and a gemv
+reads its first blocks of weights before waiting for the previous kernel's writes.
 Arithmetic in float32, rounded to the model's dtype where the model's own layers round (a
 projection's output with its bias, the residual sum, the normalised stream). Where Triton is missing (the CPU
 build of torch) the decoder keeps its torch ops; with TRITON_INTERPRET=1 these kernels run
@@ -46,6 +49,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs: the decoder's torch ops run instead
     triton = None
+try:  # programmatic dependent launch (Hopper and later): Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 def available(device: torch.device) -> bool:
@@ -53,6 +60,26 @@ def available(device: torch.device) -> bool:
     if triton is None:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_DEPENDENT_LAUNCH: dict[int, bool] = {}
+
+
+def dependent_launch(device: torch.device) -> dict:
+    """Launch options for a kernel on `device`: where the card allows it (compute
+    capability 9 and later, compiled kernels), programmatic dependent launch. Each such
+    kernel lets the next one start as soon as its own programs are running, and waits for
+    the previous one's writes before reading anything they may touch: a one-row decode
+    step is ~130 short kernels in a row, and the next kernel's launch and its reads of
+    weights (which nothing in the step writes) overlap the previous kernel's work."""
+    if gdc_wait is None or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return {"PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEPENDENT_LAUNCH:
+        _DEPENDENT_LAUNCH[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    if not _DEPENDENT_LAUNCH[index]:
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def supported_head_dim(dim: int) -> bool:
@@ -132,8 +159,11 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(
         x, x_row_stride, bias, residual, weight, normed, width, eps,
-        BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0)
         offsets = tl.arange(0, BLOCK)
         inside = offsets < width
@@ -246,7 +276,11 @@ if triton is not None:
         cache_row_stride, cache_head_stride, mask_row_stride,
         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
         DIM: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pair = tl.program_id(0)  # row x kv head
         part = tl.program_id(1)
         row, head = pair // KV_HEADS, pair % KV_HEADS
@@ -307,8 +341,11 @@ if triton is not None:
     def _attention_combine_kernel(
         part_max, part_sum, part_acc, out, parts,
         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
-        DIM: tl.constexpr, PARTS_PAD: tl.constexpr,
+        DIM: tl.constexpr, PARTS_PAD: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pair = tl.program_id(0)
         row, head = pair // KV_HEADS, pair % KV_HEADS
         groups = tl.arange(0, GROUPS_PAD)
@@ -411,8 +448,10 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROPE: tl.constexpr, HAS_OUT_BIAS: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, DIM: tl.constexpr, GROUPS_PAD: tl.constexpr,
-        PARTS_PAD: tl.constexpr,
+        PARTS_PAD: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
         lanes = tl.arange(0, BLOCK_N)
         if ROPE:  # pairs of dims DIM / 2 apart, so the rotation stays in the program
             pair = tl.program_id(0) * (BLOCK_N // 2) + lanes % (BLOCK_N // 2)
@@ -422,6 +461,21 @@ if triton is not None:
             outputs = tl.program_id(0) * BLOCK_N + lanes
         rows_inside = outputs < n
         dtype = out.dtype.element_ty
+        # Nothing in a decode step writes the weights: the first two blocks of them are
+        # read before waiting for the kernel before (dependent launch), the rest after.
+        first = tl.arange(0, BLOCK_K)
+        tiles = (
+            tl.load(
+                weight + outputs[:, None] * K + first[None, :],
+                mask=rows_inside[:, None] & (first < K)[None, :], other=0.0,
+            ),
+            tl.load(
+                weight + outputs[:, None] * K + (BLOCK_K + first)[None, :],
+                mask=rows_inside[:, None] & (BLOCK_K + first < K)[None, :], other=0.0,
+            ),
+        )  # fmt: skip
+        if PDL:
+            gdc_wait()
         if PROLOGUE == 1:  # the input is norm(residual + x (+ bias)): its scale first
             squares = tl.zeros([BLOCK_K], tl.float32)
             for start in tl.static_range(0, K, BLOCK_K):
@@ -459,10 +513,13 @@ if triton is not None:
                 )  # fmt: skip
             else:
                 value = tl.load(x + ks, mask=inside, other=0.0).to(tl.float32)
-            tile = tl.load(
-                weight + outputs[:, None] * K + ks[None, :],
-                mask=rows_inside[:, None] & inside[None, :], other=0.0,
-            )  # fmt: skip
+            if start < 2 * BLOCK_K:
+                tile = tiles[start // BLOCK_K]
+            else:
+                tile = tl.load(
+                    weight + outputs[:, None] * K + ks[None, :],
+                    mask=rows_inside[:, None] & inside[None, :], other=0.0,
+                )  # fmt: skip
             acc += tl.sum(tile.to(tl.float32) * value[None, :], axis=1)
         if ROPE:
             _rope_epilogue(
@@ -549,7 +606,7 @@ def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=
         PROLOGUE=prologue, HAS_ADD=add, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROPE=rope is not None,
         HAS_OUT_BIAS=rope is not None and rope["bias"] is not None, **rope_shape, **parts_shape,
-        num_warps=warps,
+        num_warps=warps, **dependent_launch(weight.device),
     )  # fmt: skip
     return out, new_stream
 
@@ -669,14 +726,14 @@ def decode_attention(query, keys, values, mask, width: int, last_slot, dot: bool
     _attention_part_kernel[(pairs, parts)](
         query, keys, values, mask, out, part_max, part_sum, part_acc, width, last_slot, chunk,
         keys.stride(0), keys.stride(1), mask.stride(0), **common, BLOCK=ATTENTION_TILES[dot][0],
-        SPLIT=split, DOT=dot,
+        SPLIT=split, DOT=dot, **dependent_launch(query.device),
     )  # fmt: skip
     if split and not combine:
         return AttentionParts(part_max, part_sum, part_acc, parts, heads, kv_heads, dim)
     if split:
         _attention_combine_kernel[(pairs,)](
             part_max, part_sum, part_acc, out, parts, **common,
-            PARTS_PAD=triton.next_power_of_2(parts),
+            PARTS_PAD=triton.next_power_of_2(parts), **dependent_launch(query.device),
         )  # fmt: skip
     return out
 
@@ -690,6 +747,7 @@ def add_rms_norm(x, bias, residual, norm):
     _add_rms_norm_kernel[(rows,)](
         x, x.stride(0), x if bias is None else bias, residual, norm.weight, normed, width,
         norm.variance_epsilon, BLOCK=triton.next_power_of_2(width), HAS_BIAS=bias is not None,
+        **dependent_launch(residual.device),
     )  # fmt: skip
     return normed
 
