@@ -531,8 +531,9 @@ class StaticDecoder:
     def _layers_one_row(self, ws: _Workspace, width: int, hidden) -> torch.Tensor:
         """One row's layers: each projection a gemv kernel that does the norm or the silu
         gate on its input as it reads it (the q/k/v one the rotary embedding and the cache
-        writes on its output, the o one the combining of attention's parts on its input). `pending` is the last projection's output (and
-        bias), which the next one adds into the stream (a new tensor each time)."""
+        writes on its output, the o one the combining of attention's parts on its input).
+        `pending` is the last projection's output (and bias), which the next one adds into
+        the stream (a new tensor each time)."""
         layers = self.model.model.layers
         mask = self._attention_mask(ws, 1, width)
         pending = (None, None)
