@@ -592,6 +592,7 @@ def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=
             "cos", "sin", "positions", "slot", "query", "keys", "values")),
             rope["keys"].stride(1))  # fmt: skip
         rope_shape = dict(HEADS=rope["heads"], KV_HEADS=rope["kv_heads"], DIM=rope["dim"])
+    has_bias = bias is not None
     parts, parts_shape = 1, dict(GROUPS_PAD=1, PARTS_PAD=1)
     if attention is not None:  # x, bias, residual: the parts' accumulators, maxima, sums
         x, bias, residual = attention.acc, attention.max, attention.sum
@@ -603,7 +604,7 @@ def _gemv(weight, x, prologue: int, *, bias=None, residual=None, norm=None, add=
         x, x if bias is None else bias, x if residual is None else residual,
         out if new_stream is None else new_stream, weight if norm is None else norm.weight,
         0.0 if norm is None else norm.variance_epsilon, weight, out, n, *rope_args, parts, K=k,
-        PROLOGUE=prologue, HAS_ADD=add, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        PROLOGUE=prologue, HAS_ADD=add, HAS_BIAS=has_bias, BLOCK_N=block_n,
         BLOCK_K=block_k, ROPE=rope is not None,
         HAS_OUT_BIAS=rope is not None and rope["bias"] is not None, **rope_shape, **parts_shape,
         num_warps=warps, **dependent_launch(weight.device),
