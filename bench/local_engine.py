@@ -17,7 +17,7 @@ run at the same size (graphs captured, kernels chosen).
 Roofline: one decode step must read every weight once and the rows' KV cache (at the mean
 context of the run), so tokens/s cannot exceed rows / ((weight bytes + KV bytes) /
 bandwidth); the bandwidth is measured in the same run, as a device-to-device copy
-(bytes read + written). Before timing, a greedy check: the static decoder's replies to a
+(bytes read + written). After timing, a greedy check: the static decoder's replies to a
 fixed prompt set against the dynamic loop's (identical replies, largest logprob gap), in
 fp32 and in bf16, all in one batch and the first 8 one at a time (the one-row step). Prints a table and writes JSON (bench/results/local_engine_<device>.json).
 """
@@ -315,12 +315,6 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"device {device} ({card}), torch {torch.__version__}", flush=True)
 
-    checks = []
-    if not args.skip_check:
-        for name in models:
-            for check_dtype in dict.fromkeys([torch.float32, dtype]):
-                checks.append(greedy_check(name, device, check_dtype))
-                print(f"  greedy check: {checks[-1]}", flush=True)
     bandwidth = copy_bandwidth(device)
     print(f"  copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)", flush=True)
     rows, parameters = [], {}
@@ -329,6 +323,14 @@ def main(argv: list[str] | None = None) -> dict:
             name, device, dtype, batches, args.max_tokens, args.repeats, modes, bandwidth
         )
         rows += model_rows
+    # The greedy checks after the timings: on an H200 a 256-row run timed after them once
+    # came out at half its speed (docs/BENCHMARKS.md, seventeenth session; not traced).
+    checks = []
+    if not args.skip_check:
+        for name in models:
+            for check_dtype in dict.fromkeys([torch.float32, dtype]):
+                checks.append(greedy_check(name, device, check_dtype))
+                print(f"  greedy check: {checks[-1]}", flush=True)
 
     print(
         f"\n{args.max_tokens} tokens per row, temperature 1, eos ignored; {device} ({card}); "
