@@ -523,7 +523,8 @@ class ServerThread:
 
 
 def load_engine(model: str, *, device: str = "auto", max_batch_size: int = 64) -> LocalEngine:
-    """The local engine for MODEL: 'tiny' (built on first use), a directory, or a hub id."""
+    """The local engine for MODEL: 'tiny' (built on first use), 'tiny-master', a directory,
+    or a hub id."""
     from rlcore.policy import load_policy
 
     engine = load_policy(model, device=device)  # no base_url and no env: a LocalEngine
@@ -537,7 +538,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m rlcore.serve")
         prog=prog,
         description="Serve a model over the OpenAI chat-completions API.",
     )
-    parser.add_argument("model", help="'tiny', a Hugging Face checkpoint directory, or a hub id")
+    parser.add_argument(
+        "model", help="'tiny', 'tiny-master', a Hugging Face checkpoint directory, or a hub id"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=int, default=8000, help="TCP port")
     parser.add_argument("--served-name", default=None, help="model name clients ask for")

@@ -39,12 +39,11 @@ SERVED_KINDS = (Job.Kind.EVAL, Job.Kind.SYNTH)
 
 
 def model_path(model: str) -> str:
-    """What a server loads for a config's `model`: the tiny model's directory for "tiny"."""
-    if model == "tiny":
-        from rlcore.policy.tiny import ensure_tiny_model
+    """What a server loads for a config's `model`: the directory of a built-in model name
+    ("tiny", "tiny-master"), else the name itself."""
+    from rlcore.policy.tiny import builtin_model_path
 
-        return str(ensure_tiny_model())
-    return model
+    return builtin_model_path(model)
 
 
 def is_local_model(job: Job, config: dict) -> bool:

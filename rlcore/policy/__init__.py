@@ -1,9 +1,10 @@
 """Policies: one interface (`Policy.generate`), several backends, and `load_policy` that
 turns a CLI/web model string into the right one.
 
-MODEL strings: `tiny` (the built-in tiny model, built on first use), a checkpoint
-directory or hub id (local transformers engine), an environment built-in (`oracle`,
-`random`, `constant`), or any served model name when `base_url` is given (OpenAI client).
+MODEL strings: `tiny` (the built-in tiny model, built on first use), `tiny-master` (the
+tic-tac-toe player the lab ships, rlcore/data/tiny-master), a checkpoint directory or hub
+id (local transformers engine), an environment built-in (`oracle`, `random`, `constant`),
+or any served model name when `base_url` is given (OpenAI client).
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ def load_policy(
     if env is not None and model in env.builtin_policies():
         return env.builtin_policies()[model]()
     from rlcore.policy.local import LocalEngine
+    from rlcore.policy.tiny import BUILTIN_MODELS, builtin_model_path
 
-    if model == "tiny":
-        from rlcore.policy.tiny import ensure_tiny_model
-
-        return LocalEngine(ensure_tiny_model(), device=device, name="tiny")
+    if model in BUILTIN_MODELS:
+        return LocalEngine(builtin_model_path(model), device=device, name=model)
     return LocalEngine(model, device=device)

@@ -302,6 +302,24 @@ def _is_built(directory: Path) -> bool:
     return (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file()
 
 
+# The tic-tac-toe player the lab ships: the tiny model after SFT on 200 random-valid games and
+# RL against minimax (recipes/tictactoe_tiny/rl_gpu.toml); its README.md is the model card.
+TINY_MASTER_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny-master"
+# Model names that stand for a directory of the lab's own, wherever a model is named.
+BUILTIN_MODELS = ("tiny", "tiny-master")
+
+
+def builtin_model_path(model: str) -> str:
+    """The directory a model name stands for: `tiny` -> the built-in tiny model's (built on
+    first use), `tiny-master` -> the shipped tic-tac-toe player's; any other name unchanged
+    (a checkpoint directory or a hub id)."""
+    if model == "tiny":
+        return ensure_tiny_model()
+    if model == "tiny-master":
+        return str(TINY_MASTER_DIR)
+    return model
+
+
 def ensure_tiny_model(path: str | os.PathLike | None = None, **size: int) -> str:
     """The directory of the tiny model built with `size` options, building it on first use.
 

@@ -58,12 +58,10 @@ def autocast(device: torch.device):
 
 
 def model_path(model: str) -> str:
-    """`tiny` -> the built-in tiny model's directory (built on first use); else unchanged."""
-    if model == "tiny":
-        from rlcore.policy.tiny import ensure_tiny_model
+    """`tiny` and `tiny-master` -> their directories (tiny.builtin_model_path); else unchanged."""
+    from rlcore.policy.tiny import builtin_model_path
 
-        return ensure_tiny_model()
-    return model
+    return builtin_model_path(model)
 
 
 def load_model_and_tokenizer(model: str, device: torch.device):
@@ -76,7 +74,7 @@ def load_model_and_tokenizer(model: str, device: torch.device):
         network = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ValueError(
-            f"cannot load model {model!r} (looked for {path!r}): accepted are `tiny`, a "
+            f"cannot load model {model!r} (looked for {path!r}): accepted are `tiny`, `tiny-master`, a "
             f"checkpoint directory with config.json, or a Hugging Face hub id ({exc})"
         ) from exc
     if tokenizer.pad_token_id is None:

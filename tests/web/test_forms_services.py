@@ -59,6 +59,17 @@ def test_a_model_path_outside_model_roots_is_rejected(alice, tmp_path):
     assert not ModelEntry.objects.filter(name="etc").exists()
 
 
+def test_a_built_in_tiny_model_is_one_of_the_shipped_names(alice):
+    assert services.model_create(owner=alice, name="t", kind="tiny").location == "tiny"
+    master = services.model_create(owner=alice, name="m", kind="tiny", location="tiny-master")
+    assert master.policy_args() == {"model": "tiny-master"}
+    with pytest.raises(ValidationError) as caught:
+        services.model_create(owner=alice, name="x", kind="tiny", location="/etc/passwd")
+    message = caught.value.message_dict["location"][0]
+    assert "tiny, tiny-master" in message and "/etc/passwd" in message
+    assert not ModelEntry.objects.filter(name="x").exists()
+
+
 def test_a_symlink_out_of_model_roots_is_rejected(alice, settings, real_services):
     link = real_services / "escape"
     link.symlink_to("/etc")

@@ -304,6 +304,30 @@ def test_a_whole_game_against_the_oracle_on_the_worker(alice_client, oracle, cel
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.worker
+def test_a_whole_game_against_the_shipped_player_on_the_worker(alice_client, alice, celery_worker):
+    master = job_services.model_create(
+        owner=alice, name="tiny-master", kind="tiny", location="tiny-master"
+    )
+    game_id = create(
+        alice_client, player=f"model-{master.pk}", human_mark="X", human_starts=True
+    ).json()["id"]
+    for _ in range(5):
+        data = alice_client.get(f"{API}{game_id}/").json()
+        if data["status"] == "finished":
+            break
+        assert move(alice_client, game_id, data["board"].index(".")).status_code == 200
+        wait_for_game(game_id, ("human_turn", "finished"), timeout=120)
+    game = Game.objects.get(pk=game_id)
+    assert game.status == "finished" and game.outcome in ("win", "draw", "loss"), game.error
+    # The trained player answers in the env's format and plays legal moves (the untrained
+    # tiny model forfeits: the test below).
+    valid = [r for r in game.replies if r["valid"]]
+    assert len(valid) >= 2 and all(r["think"].startswith("Empty:") for r in valid)
+    assert [m["cell"] for m in game.moves if m["player"] == "model"] == [r["move"] for r in valid]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.worker
 def test_the_tiny_model_forfeits_after_three_invalid_replies(alice_client, alice, celery_worker):
     tiny = job_services.model_create(
         owner=alice, name="tiny", kind="tiny", generation={"max_tokens": 12}

@@ -1,8 +1,9 @@
-"""`manage.py seed_lab` gives the admin the tiny model, the tic-tac-toe players and one
+"""`manage.py seed_lab` gives the admin the tiny models, the tic-tac-toe players and one
 default config per environment, and running it again changes nothing."""
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.test import Client
 
 from rlcore.envs import list_environments
 from webapp.jobs.models import EnvironmentConfig, ModelEntry
@@ -16,6 +17,7 @@ def test_it_seeds_the_admin_once(django_user_model, capsys):
     models = {m.name: (m.kind, m.location) for m in ModelEntry.objects.filter(owner=admin)}
     assert models == {
         "tiny": ("tiny", "tiny"),
+        "tiny-master": ("tiny", "tiny-master"),
         "tictactoe oracle": ("builtin", "oracle"),
         "tictactoe random": ("builtin", "random"),
     }
@@ -30,10 +32,25 @@ def test_it_seeds_the_admin_once(django_user_model, capsys):
     ttt.save()
     call_command("seed_lab")
     assert "already seeded" in capsys.readouterr().out
-    assert ModelEntry.objects.count() == 3 and configs.count() == len(list_environments())
+    assert ModelEntry.objects.count() == 4 and configs.count() == len(list_environments())
     assert EnvironmentConfig.objects.get(pk=ttt.pk).params["max_turns"] == 4
 
 
 def test_it_needs_the_user_to_exist():
     with pytest.raises(CommandError, match="ensure_admin"):
         call_command("seed_lab", "--username", "nobody")
+
+
+def test_the_shipped_player_is_offered_on_the_play_page(django_user_model):
+    from webapp.play.services import players_for_user
+
+    admin = django_user_model.objects.create_superuser("admin", password="pw")
+    call_command("seed_lab")
+    master = ModelEntry.objects.get(owner=admin, name="tiny-master")
+    assert master.policy_args() == {"model": "tiny-master"} and master.is_local
+    players = {p.name: p for p in players_for_user(admin)}
+    assert players["tiny-master"].policy == {"kind": "tiny", "model": "tiny-master"}
+    client = Client()
+    client.force_login(admin)
+    page = client.get("/play/").content.decode()
+    assert f'value="model-{master.pk}"' in page and "tiny-master (tiny model)" in page

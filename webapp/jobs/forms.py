@@ -122,7 +122,7 @@ class ModelEntryForm(ServiceErrorsMixin, forms.Form):
         max_length=500,
         required=False,
         help_text="Directory under MODEL_ROOTS, hub id, served model name, or built-in player "
-        "(oracle, random, constant). Ignored for the tiny model.",
+        "(oracle, random, constant). Built-in tiny model: tiny (default) or tiny-master.",
     )
     base_url = forms.CharField(
         max_length=500,

@@ -144,7 +144,8 @@ class ModelEntry(models.Model):
 
     def policy_args(self) -> dict:
         """The `model`, `base_url` and `api_key_env` fields of an rlcore config."""
-        args: dict = {"model": "tiny" if self.kind == self.Kind.TINY else self.location}
+        tiny = self.kind == self.Kind.TINY
+        args: dict = {"model": (self.location or "tiny") if tiny else self.location}
         if self.kind == self.Kind.OPENAI:
             args["base_url"] = self.base_url
             # No declared key: none is sent (the client sends the placeholder "EMPTY").

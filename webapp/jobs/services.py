@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from rlcore.envs import ParamError, get_env_class, load_environment
 from rlcore.evaluate import EvalConfig
+from rlcore.policy.tiny import BUILTIN_MODELS
 from rlcore.train.config import (
     ConfigError,
     RLConfig,
@@ -249,7 +250,12 @@ def model_create(
     if kind not in ModelEntry.Kind.values:
         errors["kind"] = f"unknown kind {kind!r}; accepted: {', '.join(ModelEntry.Kind.values)}"
     elif kind == ModelEntry.Kind.TINY:
-        location = "tiny"
+        location = location or "tiny"
+        if location not in BUILTIN_MODELS:
+            errors["location"] = (
+                f"a built-in model is one of {', '.join(BUILTIN_MODELS)} (empty: tiny), "
+                f"got {location[:100]!r}"
+            )
     elif kind == ModelEntry.Kind.CHECKPOINT or (
         kind == ModelEntry.Kind.HF and location and _looks_like_path(location)
     ):

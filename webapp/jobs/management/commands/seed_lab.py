@@ -1,9 +1,9 @@
 """`python manage.py seed_lab`: give the admin user something to start from (for `make run`).
 
-Registers, for the admin user, the built-in tiny model and the tic-tac-toe oracle and
-random players, and one config with the schema's defaults for every registered
-environment, named "<env> (defaults)". Idempotent: what already exists under those names
-is left as it is, so edits a user made survive a restart.
+Registers, for the admin user, the built-in tiny model, the shipped tic-tac-toe player
+"tiny-master", the tic-tac-toe oracle and random players, and one config with the schema's
+defaults for every registered environment, named "<env> (defaults)". Idempotent: what
+already exists under those names is left as it is, so edits a user made survive a restart.
 """
 
 from django.contrib.auth import get_user_model
@@ -15,13 +15,15 @@ from webapp.jobs.models import EnvironmentConfig, ModelEntry
 
 MODELS = [
     {"name": "tiny", "kind": ModelEntry.Kind.TINY},
+    # The tic-tac-toe player the lab ships (rlcore/data/tiny-master/README.md), offered on Play.
+    {"name": "tiny-master", "kind": ModelEntry.Kind.TINY, "location": "tiny-master"},
     {"name": "tictactoe oracle", "kind": ModelEntry.Kind.BUILTIN, "location": "oracle"},
     {"name": "tictactoe random", "kind": ModelEntry.Kind.BUILTIN, "location": "random"},
 ]
 
 
 class Command(BaseCommand):
-    help = "Register the tiny model, the tic-tac-toe built-in players and default env configs."
+    help = "Register the tiny models, the tic-tac-toe built-in players and default env configs."
 
     def add_arguments(self, parser):
         parser.add_argument("--username", default="admin")
