@@ -892,3 +892,41 @@ async def test_an_invalid_self_play_reply_falls_back_to_the_minimax_move():
         assert metrics["self_play"] == 1.0
         assert metrics["self_play_fallbacks"] == rollout.state["self_play_fallbacks"]
         assert rollout.state["invalid_moves"] == 0  # the opponent's errors are not the model's
+
+
+class WithIds(RecordingPolicy):
+    """RecordingPolicy whose replies carry token ids, as the local engine's do: the prompt
+    is numbered by the call, the reply's ids are its characters."""
+
+    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
+        generation = await super().generate(messages, sampling, tools=tools, state=state)
+        ids = [ord(c) for c in generation.text]
+        return Generation(
+            text=generation.text, prompt_ids=[len(self.calls)], completion_ids=ids,
+            logprobs=[-0.5] * len(ids),
+        )  # fmt: skip
+
+
+async def test_the_opponents_replies_are_kept_with_the_solvers_verdict():
+    env = TicTacToeEnv(self_play=1.0, min_random_move_prob=1.0, max_random_move_prob=1.0)
+    policy = WithIds(RandomValidPolicy(seed=7), bad_marks=())
+    rollouts = await play_all(env, policy, 40)
+    verdicts = []
+    for rollout in rollouts:
+        opponent = rollout.state["opponent_mark"]
+        theirs = [(i, c) for i, c in enumerate(policy.calls, 1) if c[1]["seed"] == rollout.seed
+                  and c[1]["model_mark"] == opponent]  # fmt: skip
+        assert "opponent_turns" not in rollout.state  # kept off the stored state
+        assert [t.prompt_ids for t, _ in rollout.opponent_turns] == [[i] for i, _ in theirs]
+        for (turn, verdict), (_, (_, view, text)) in zip(
+            rollout.opponent_turns, theirs, strict=True
+        ):
+            cell = parse_move(text, view["board"])[0]
+            assert verdict == float(cell in sound_moves(view["board"], opponent))
+            assert turn.completion_ids == [ord(c) for c in text]
+            verdicts.append(verdict)
+    # A random player gives value away in some positions and not in others.
+    assert 0 < sum(verdicts) < len(verdicts)
+    # Without self-play nothing is kept.
+    plain = await play_all(TicTacToeEnv(), WithIds(RandomValidPolicy(seed=7)), 10)
+    assert all(r.opponent_turns == [] for r in plain)
