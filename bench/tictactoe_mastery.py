@@ -261,13 +261,6 @@ def main(argv: list[str] | None = None) -> int:
         help="env param self_play: share of the RL games whose opponent is the policy itself",
     )
     parser.add_argument(
-        "--rl-opponent-weight",
-        type=float,
-        default=0.0,
-        help="opponent_weight: train the policy's self-play opponent replies too, each with "
-        "this weight x (its verdict - the batch's mean verdict) (needs --rl-self-play)",
-    )
-    parser.add_argument(
         "--rl-loss-reward",
         type=float,
         default=0.0,
@@ -355,7 +348,6 @@ def main(argv: list[str] | None = None) -> int:
             advantage=args.rl_advantage,
             turn_reward_weight=args.rl_turn_reward_weight,
             second_choice_weight=args.rl_second_choice,
-            opponent_weight=args.rl_opponent_weight,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             num_iterations=args.rl_iterations,
@@ -378,7 +370,6 @@ def main(argv: list[str] | None = None) -> int:
                 "tictactoe/invalid_move_rate",
                 "tictactoe/sound_move_rate",
                 "tictactoe/think_correct_rate",
-                "opponent/sound_rate",
             ],
             out / "rl" / "metrics.jsonl",
         ),

@@ -109,10 +109,6 @@ class Rollout:
     # The env's declared facts about this rollout (Environment.rollout_facts), which the
     # inspector filters and sorts on.
     facts: dict = field(default_factory=dict)
-    # Replies the policy gave from the other side of the game (a self-play opponent), each
-    # with the env's verdict on it (1.0 a sound move, 0.0 not); RL's `opponent_weight`
-    # trains them. Kept out of `state`, which is stored with every logged rollout.
-    opponent_turns: list[tuple[Turn, float]] = field(default_factory=list)
 
     @property
     def completion(self) -> list[Message]:

@@ -61,7 +61,7 @@ from rlcore.envs.tictactoe_players import OraclePolicy, RandomValidPolicy
 from rlcore.parsers import XMLParser
 from rlcore.policy.base import ConstantPolicy, Policy
 from rlcore.rubric import Rubric
-from rlcore.types import Example, Message, Rollout, SamplingParams, Turn
+from rlcore.types import Example, Message, Rollout, SamplingParams
 
 # The policy and sampling of the rollout in progress (per asyncio task), for self-play.
 _PLAYER: contextvars.ContextVar[tuple[Policy, SamplingParams] | None] = contextvars.ContextVar(
@@ -471,11 +471,9 @@ class TicTacToeEnv(MultiTurnEnv):
         """A game, with the policy and sampling at hand for a self-play opponent's moves."""
         token = _PLAYER.set((policy, sampling))
         try:
-            result = await super().rollout(policy, example, sampling)
+            return await super().rollout(policy, example, sampling)
         finally:
             _PLAYER.reset(token)
-        result.opponent_turns = result.state.pop("opponent_turns", [])
-        return result
 
     def is_completed(self, messages: list[Message], state: dict) -> bool:
         return game_over(state["board"])
@@ -534,14 +532,6 @@ class TicTacToeEnv(MultiTurnEnv):
         }  # fmt: skip
         generation = await policy.generate(prompt, sampling, state=view)
         cell, error = parse_move(generation.text, board)
-        if generation.prompt_ids is not None and generation.completion_ids is not None:
-            # The reply, judged as the model's own are (an invalid one is not sound).
-            sound = error is None and cell in sound_moves(board, mark)
-            turn = Turn(
-                generation.prompt_ids, generation.completion_ids, generation.logprobs,
-                generation.finish_reason,
-            )  # fmt: skip
-            state.setdefault("opponent_turns", []).append((turn, 1.0 if sound else 0.0))
         if error is not None:
             state["self_play_fallbacks"] += 1
             cell = self._minimax_move(state)

@@ -76,7 +76,6 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "save_every": (0, 10_000_000),
     "turn_reward_weight": (0.0, 1000.0),
     "second_choice_weight": (0.0, 1000.0),
-    "opponent_weight": (0.0, 1000.0),
     "clip_eps_low": (0.0, 1.0),
     "clip_eps_high": (0.0, 100.0),
     "beta": (0.0, 100.0),
@@ -104,6 +103,7 @@ REMOVED = {
     "train_scope": "reply",
     "explore_rate": 0.0,
     "second_choice_replay": 0,
+    "opponent_weight": 0.0,
 }
 # Settings that moved into a section under another name.
 RENAMED = {"loss_type": "loss.type", "loss_aggregation": "loss.aggregation"}
@@ -329,10 +329,6 @@ class RLConfig:
     """at every move the env judged unsound, the policy's own choice among the position's
     other legal moves is drawn and judged, and a sound one trained up with this advantage
     (Environment.decision_options; see rlcore/train/second_choice.py). 0: off"""
-    opponent_weight: float = 0.0
-    """train the policy's replies as its own self-play opponent too (tic-tac-toe's
-    `self_play`; Rollout.opponent_turns): each with advantage this weight times its verdict
-    (1 sound, 0 not) less the mean verdict of the step's opponent replies. 0: off"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8
@@ -371,10 +367,6 @@ class RLConfig:
             errors["scale_rewards"] = "applies to advantage 'group' only"
         elif self.scale_rewards and self.loss.type == "dr_grpo":
             errors["scale_rewards"] = "contradicts loss type dr_grpo (no std scaling)"
-        if self.opponent_weight > 0 and not self.env_args.get("self_play"):
-            errors["opponent_weight"] = (
-                "trains the policy's self-play replies: set env_args.self_play > 0 too"
-            )
         if not self.sampling.temperature > 0:
             errors["sampling.temperature"] = (
                 f"must be > 0 for training (logprobs are taken at it), got {self.sampling.temperature}"

@@ -128,39 +128,8 @@ def step_sequences(
             )  # fmt: skip
             sequences += chosen
             advantage_metrics |= choice_metrics
-        if cfg.opponent_weight > 0:
-            trained, opponent_metrics = opponent_sequences(
-                rollouts, cfg.opponent_weight, aggregation,
-                None if cfg.loss.train_think else (pieces, tokenizer),
-            )  # fmt: skip
-            sequences += trained
-            advantage_metrics |= opponent_metrics
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
     return sequences, normalizer, advantage_metrics
-
-
-def opponent_sequences(rollouts: list[Rollout], weight: float, aggregation: str, thinks=None):
-    """Training sequences of the replies the policy gave as its self-play opponent
-    (Rollout.opponent_turns), each reply's advantage `weight` x (its verdict - the mean
-    verdict of the batch's opponent replies): no group shares their positions, so the
-    batch is the baseline, and a move the policy is sure of is pushed down when unsound
-    even where every sample of it agrees. `thinks` = (pieces, tokenizer): leave each
-    reply's think block untrained. Metrics: the replies and their sound share."""
-    judged = [
-        (rollout, turn, verdict) for rollout in rollouts for turn, verdict in rollout.opponent_turns
-    ]
-    if not judged:
-        return [], {"opponent/replies": 0.0, "opponent/sound_rate": 0.0}
-    baseline = sum(verdict for _, _, verdict in judged) / len(judged)
-    sequences = []
-    for rollout, turn, verdict in judged:
-        advantage = weight * (verdict - baseline)
-        if advantage == 0:
-            continue
-        single = Rollout(rollout.example_id, rollout.seed, rollout.group, [], 0, turns=[turn])
-        think = None if thinks is None else [think_length(turn.completion_ids, *thinks)]
-        sequences += training_sequences(single, [advantage], aggregation, think)
-    return sequences, {"opponent/replies": float(len(judged)), "opponent/sound_rate": baseline}
 
 
 def step_advantages(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
