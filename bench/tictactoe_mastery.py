@@ -234,11 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         "value, 0 otherwise) in each move's advantage; 0: outcome rewards only",
     )
     parser.add_argument(
-        "--rl-second-choice",
+        "--rl-sound-mass",
         type=float,
         default=0.0,
-        help="second_choice_weight: at each unsound move, the policy's choice among the other "
-        "legal moves, trained up with this advantage when the env judges it sound (0: off)",
+        help="sound_mass_weight: at every judged move, this weight x -log of the policy's "
+        "probability of the position's sound moves, every legal move judged (0: off)",
     )
     parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             loss_aggregation=args.rl_aggregation,
             advantage=args.rl_advantage,
             turn_reward_weight=args.rl_turn_reward_weight,
-            second_choice_weight=args.rl_second_choice,
+            sound_mass_weight=args.rl_sound_mass,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             num_iterations=args.rl_iterations,
@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tictactoe/invalid_move_rate",
                 "tictactoe/sound_move_rate",
                 "tictactoe/think_correct_rate",
+                "sound_mass/mean",
             ],
             out / "rl" / "metrics.jsonl",
         ),

@@ -451,7 +451,7 @@ def test_train_think_off_leaves_the_think_block_out_of_the_gradient(thinking_mod
         input_ids, attention, weights, advantages = collate(
             sequences, tokenizer.pad_token_id, "cpu"
         )
-        logprobs, _ = token_logprobs(model, input_ids, attention, 1.0)
+        logprobs, *_ = token_logprobs(model, input_ids, attention, 1.0)
         logprobs = logprobs.detach().requires_grad_(True)
         loss, _ = policy_loss(
             logprobs, logprobs.detach(), None, advantages, weights, LossConfig(), 1.0

@@ -170,7 +170,7 @@ def test_the_tictactoe_tiny_recipes_load(name, cls):
     if name in ("rl_sound", "rl_gpu"):
         assert cfg.turn_reward_weight > 0 and not cfg.loss.train_think
     if name == "rl_gpu":  # the large-batch regime, every game of a step in one engine batch
-        assert cfg.second_choice_weight > 0 and cfg.batch_size >= 256
+        assert cfg.sound_mass_weight > 0 and cfg.batch_size >= 256
         assert 0 < cfg.env_args["self_play"] < 1  # round 41: half the games against itself
         assert cfg.sampling.concurrency >= cfg.batch_size
     if name.startswith("rl"):

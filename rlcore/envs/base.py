@@ -192,11 +192,11 @@ def example_seed(seed: int, index: int) -> int:
 
 @dataclass
 class DecisionOptions:
-    """A judged-unsound move of a reply and the other moves its position allowed (see
-    Environment.decision_options): `prefix` is the reply's text up to the move, `played`
-    the move's text, `others` the text of each other legal move, and `judge(option)` the
-    env's per-move verdict of one of `others` made in that position instead, on the scale
-    of `turn_rewards` (only the options a trainer tries are judged)."""
+    """A judged move of a reply and the other moves its position allowed (see
+    Environment.move_options): `prefix` is the reply's text up to the move, `played` the
+    move's text, `others` the text of each other legal move, and `judge(option)` the env's
+    per-move verdict of the played move or one of `others` made in that position instead,
+    on the scale of `turn_rewards` (only the options a trainer asks about are judged)."""
 
     prefix: str
     played: str
@@ -272,12 +272,12 @@ class Environment(ABC):
         credits each turn with its own reward on top of the episode's."""
         return None
 
-    def decision_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
-        """For turn `turn` of a finished rollout (its reply's text `reply`) whose move the
-        env judged unsound: where the move sits in the reply and the other moves the
+    def move_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
+        """For turn `turn` of a finished rollout (its reply's text `reply`) that made a legal
+        move the env judges: where the move sits in the reply and the other moves the
         position allowed, each judged on request (see DecisionOptions). None for any other
         turn, and (the default) from an env without per-move verdicts. RL's
-        `second_choice_weight` tries the policy's own next choice at such turns."""
+        `sound_mass_weight` judges every option of every such turn."""
         return None
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:

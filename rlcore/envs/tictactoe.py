@@ -577,14 +577,14 @@ class TicTacToeEnv(MultiTurnEnv):
             for s, t in zip(sound, thinks, strict=True)
         ]
 
-    def decision_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
-        """For a legal move the solver judged unsound: the reply up to its last `<move>`
-        tag, the cell played, and the board's other empty cells, each judged 1.0 if it keeps
-        the position's game-theoretic value (`sound_moves`) and 0.0 if not: the move part of
+    def move_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
+        """For a legal move the solver judged: the reply up to its last `<move>` tag, the
+        cell played, and the board's other empty cells, each judged 1.0 if it keeps the
+        position's game-theoretic value (`sound_moves`) and 0.0 if not: the move part of
         `turn_rewards` (the think bonus is the reply's either way)."""
         sound = rollout.state.get("move_sound") or []
         key = rollout.turns[turn].state_key if turn < len(rollout.turns) else None
-        if turn >= len(sound) or sound[turn] is not False or not key:
+        if turn >= len(sound) or sound[turn] is None or not key:
             return None
         board = key.split("/")[0]
         cell, _ = parse_move(reply, board)

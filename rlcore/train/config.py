@@ -75,7 +75,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "max_seq_len": (1, 1_048_576),
     "save_every": (0, 10_000_000),
     "turn_reward_weight": (0.0, 1000.0),
-    "second_choice_weight": (0.0, 1000.0),
+    "sound_mass_weight": (0.0, 1000.0),
     "clip_eps_low": (0.0, 1.0),
     "clip_eps_high": (0.0, 100.0),
     "beta": (0.0, 100.0),
@@ -104,6 +104,7 @@ REMOVED = {
     "explore_rate": 0.0,
     "second_choice_replay": 0,
     "opponent_weight": 0.0,
+    "second_choice_weight": 0.0,
 }
 # Settings that moved into a section under another name.
 RENAMED = {"loss_type": "loss.type", "loss_aggregation": "loss.aggregation"}
@@ -325,10 +326,11 @@ class RLConfig:
     move that keeps the game-theoretic value, 0 for one that gives some away or is
     invalid) in each turn's advantage, against a per-position baseline (see
     advantages.turn_reward_advantages). 0 trains on episode rewards alone"""
-    second_choice_weight: float = 0.0
-    """at every move the env judged unsound, the policy's own choice among the position's
-    other legal moves is drawn and judged, and a sound one trained up with this advantage
-    (Environment.decision_options; see rlcore/train/second_choice.py). 0: off"""
+    sound_mass_weight: float = 0.0
+    """at every move the env judges, every legal move of the position is judged, and the
+    loss adds this weight times -log of the policy's probability (at the sampling
+    temperature) of the moves judged best, per turn as the loss is normalized
+    (Environment.move_options; see rlcore/train/sound_mass.py). 0: off"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8

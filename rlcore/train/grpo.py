@@ -11,8 +11,8 @@ One step, as `run_rl` does it from top to bottom:
    own per-move verdicts with `turn_reward_weight`);
 4. build training sequences from each rollout's turns, with the token ids straight from
    generation, each token weighed in the loss's sum as `loss.aggregation` says
-   (`training_sequences`), and with `second_choice_weight` one more for each unsound move
-   whose second choice the env judged sound (`second_choice_sequences`);
+   (`training_sequences`), and with `sound_mass_weight` every judged move's position
+   with the moves the env judges best there (`attach_move_sets`);
 5. with several updates per batch or a KL term, recompute the old (and reference)
    logprobs in a no-grad pass; then `num_iterations` optimizer updates on `policy_loss`
    (grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
@@ -79,17 +79,18 @@ from rlcore.train.distributed import (
     placement_devices,
 )
 from rlcore.train.sampling import StratifiedSampler, rollout_sample
-from rlcore.train.second_choice import second_choice_sequences
 from rlcore.train.sequences import (
     TrainingSequence,
     collate,
     micro_batches,
+    move_set_rows,
     padded,
     target_rows,
     think_length,
     to_device,
     training_sequences,
 )
+from rlcore.train.sound_mass import attach_move_sets
 from rlcore.types import Rollout, SamplingParams
 
 # Config fields a resumed run may change without changing what it computes.
@@ -100,34 +101,30 @@ RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "de
 # Advantages and the loss
 
 
-def step_sequences(
-    env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces, model=None
-):
+def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces):
     """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the advantage
     metrics). 3: advantages from the rubric's rewards (and the env's per-move verdicts).
     4: training sequences, the sampled token ids, each token weighed in the loss, and with
-    `second_choice_weight` the sound second choices at unsound moves (second_choice.py,
-    drawn from `model`). With the collector's first threshold raised, as for the rollouts:
+    `sound_mass_weight` every judged move's best options (sound_mass.py). With the collector's first threshold raised, as for the rollouts:
     a large step's millions of token ids in lists made it collect over and over
     (bench/rl_host_overhead.py)."""
     aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     with fewer_collections:
         turn_advantages, advantage_metrics = step_advantages(env, rollouts, cfg)
         sequences = []
+        judged, single = 0, {}
         for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
             thinks = (
                 None
                 if cfg.loss.train_think
                 else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
             )
-            sequences += training_sequences(rollout, advantages, aggregation, thinks)
-        if cfg.second_choice_weight > 0:
-            chosen, choice_metrics = second_choice_sequences(
-                env, rollouts, model, tokenizer, cfg.second_choice_weight,
-                cfg.sampling.temperature, pieces, cfg.micro_batch_size,
-            )  # fmt: skip
-            sequences += chosen
-            advantage_metrics |= choice_metrics
+            built = training_sequences(rollout, advantages, aggregation, thinks)
+            if cfg.sound_mass_weight > 0:
+                judged += attach_move_sets(env, rollout, built, tokenizer, pieces, single)
+            sequences += built
+        if cfg.sound_mass_weight > 0:
+            advantage_metrics["sound_mass/moves"] = float(judged)
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
     return sequences, normalizer, advantage_metrics
 
@@ -228,10 +225,14 @@ def policy_loss(
     return total, stats
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, with_entropy=False):
+def token_logprobs(
+    model, input_ids, attention_mask, temperature: float, with_entropy=False, move_sets=None
+):
     """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
-    (the distribution the engine sampled from), and optionally its entropy. Gathering
-    minus logsumexp avoids a second vocabulary-sized tensor for the log-softmax."""
+    (the distribution the engine sampled from), optionally its entropy, and with
+    `move_sets` (sequences.move_set_rows) the log of the summed probability of each judged
+    move's best options, shape [K] (else None). Gathering minus logsumexp avoids a second
+    vocabulary-sized tensor for the log-softmax."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     logits = logits.float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
@@ -239,7 +240,13 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, with_en
     entropy = None
     if with_entropy:
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logprobs, entropy
+    best = None
+    if move_sets is not None:
+        rows, targets, members = move_sets
+        picked = logits[rows, targets].gather(-1, members.clamp(min=0))
+        picked = picked.masked_fill(members < 0, float("-inf"))
+        best = torch.logsumexp(picked, dim=-1) - log_normalizer[rows, targets]
+    return logprobs, entropy, best
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,12 +338,12 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
             raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run", 0)
         input_ids, attention_mask, weights, _ = collate(chunk, learner.pad_id, learner.device)
         with autocast(learner.device):
-            old, entropy = token_logprobs(
+            old, entropy, _ = token_logprobs(
                 learner.model, input_ids, attention_mask, temperature, True
             )
             ref = None
             if learner.reference is not None:
-                ref, _ = token_logprobs(learner.reference, input_ids, attention_mask, temperature)
+                ref, *_ = token_logprobs(learner.reference, input_ids, attention_mask, temperature)
         sums.add(sampling_stats(chunk, old, entropy, weights))
         for row, sequence in enumerate(chunk):
             length = len(sequence.input_ids) - 1
@@ -356,15 +363,16 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     with_reference = learner.reference is not None
     # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
-    trainable = [s for s in sequences if with_reference or any(s.advantages)]
+    trainable = [s for s in sequences if with_reference or s.move_sets or any(s.advantages)]
     # With one update and no reference the old logprobs are the current ones: taken from
     # this very pass (ratio exactly 1), with entropy and mismatch measured here.
     single_pass = cfg.num_iterations == 1 and not with_reference
     sums = StepSums(learner.device)
     chunks = micro_batches(trainable, cfg.micro_batch_size)
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
+    move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
     for iteration in range(cfg.num_iterations):
-        for index, (chunk, batch) in enumerate(zip(chunks, batches, strict=True)):
+        for index, (chunk, batch, sets) in enumerate(zip(chunks, batches, move_sets, strict=True)):
             if learner.should_stop():
                 where = (
                     f"update {iteration + 1} of {cfg.num_iterations}: micro-batch {index + 1} "
@@ -373,9 +381,10 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
                 raise StepStopped(where, iteration)
             input_ids, attention_mask, weights, advantages = batch
             with autocast(learner.device):
-                logprobs, entropy = token_logprobs(
-                    learner.model, input_ids, attention_mask, cfg.sampling.temperature, single_pass
-                )
+                logprobs, entropy, best = token_logprobs(
+                    learner.model, input_ids, attention_mask, cfg.sampling.temperature,
+                    single_pass, sets,
+                )  # fmt: skip
             width, device = weights.shape[1], learner.device
             if single_pass:
                 old = logprobs.detach()
@@ -384,6 +393,12 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
                 old = padded([s.old_logprobs for s in chunk], width, device)
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
             loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
+            if best is not None:  # -log P(best moves), summed and normalized as the loss is
+                loss = loss - cfg.sound_mass_weight * best.sum() / max(normalizer, 1e-8)
+                stats |= {
+                    "best_mass": best.detach().exp().sum(),
+                    "judged": best.new_tensor(float(len(best))),
+                }
             loss.backward()
             sums.add(stats)
         current_ranks().sum_gradients(learner.model)  # data-parallel: every rank's share
@@ -395,6 +410,8 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     host = sums.to_host()
     tokens = max(host["tokens"], 1.0)
     metrics = _sampling_metrics(host) if single_pass else {}
+    if host.get("judged"):
+        metrics["sound_mass/mean"] = host["best_mass"] / host["judged"]
     return metrics | {
         "loss/policy": host["policy"] / cfg.num_iterations,
         "loss/total": host["total"] / cfg.num_iterations,
@@ -465,13 +482,10 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             f"turn_reward_weight={cfg.turn_reward_weight} needs an env with per-turn rewards; "
             f"{env.name!r} judges whole episodes only (set turn_reward_weight = 0)"
         )
-    if cfg.second_choice_weight > 0 and (
-        type(env).decision_options is Environment.decision_options
-    ):
+    if cfg.sound_mass_weight > 0 and type(env).move_options is Environment.move_options:
         raise ValueError(
-            f"second_choice_weight={cfg.second_choice_weight} needs an env that judges moves "
-            f"one by one (Environment.decision_options); {env.name!r} does not "
-            "(set second_choice_weight = 0)"
+            f"sound_mass_weight={cfg.sound_mass_weight} needs an env that judges moves one by "
+            f"one (Environment.move_options); {env.name!r} does not (set sound_mass_weight = 0)"
         )
     # Ranks must run an update's collectives together: only one process hears a stop
     # between its micro-batches.
@@ -577,7 +591,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
 
             # 3-4. Advantages, and the training sequences they weigh.
             sequences, normalizer, advantage_metrics = step_sequences(
-                env, rollouts, cfg, tokenizer, pieces, model
+                env, rollouts, cfg, tokenizer, pieces
             )
 
             # 5. Old and reference logprobs when several updates or a KL term need them,

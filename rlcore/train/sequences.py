@@ -11,7 +11,7 @@ from which the mask, the normalizer and the KL term all follow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,11 @@ class TrainingSequence:
     advantages: list[float]  # per token: its turn's advantage (0 where not trained)
     sampled_logprobs: list[float] | None  # at generation time, per token (0 off completions)
     turns: int = 1  # assistant turns trained in this sequence
+    # Where each turn's completion starts in input_ids, by the turn's index in its rollout.
+    turn_starts: dict[int, int] = field(default_factory=dict)
+    # Judged moves (sound_mass.py): (the target index whose next token is the move, the
+    # token ids of the moves the env judged best there).
+    move_sets: list[tuple[int, list[int]]] = field(default_factory=list)
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
 
@@ -131,7 +136,10 @@ def training_sequences(
                 sizes[turn] = sizes.get(turn, 0) + length - skipped
         weights: list[float] = []
         advantages: list[float] = []
+        starts = {}
         for turn, skipped, trained in runs:
+            if turn >= 0:
+                starts[turn] = len(weights)
             weights += [0.0] * skipped
             advantages += [0.0] * skipped
             if trained:
@@ -144,6 +152,7 @@ def training_sequences(
                 advantages=advantages,
                 sampled_logprobs=logprobs,
                 turns=len(sizes),
+                turn_starts=starts,
             )
         )
     return result
@@ -196,3 +205,19 @@ def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
     if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def move_set_rows(chunk: list[TrainingSequence], device) -> tuple[torch.Tensor, ...] | None:
+    """A micro-batch's judged moves (`TrainingSequence.move_sets`) as tensors: the row and
+    target index of each, and its best moves' token ids right-padded with -1; None when
+    the chunk has none."""
+    found = [(row, at, ids) for row, s in enumerate(chunk) for at, ids in s.move_sets]
+    if not found:
+        return None
+    width = max(len(ids) for _, _, ids in found)
+    members = torch.full((len(found), width), -1, dtype=torch.long)
+    for index, (_, _, ids) in enumerate(found):
+        members[index, : len(ids)] = torch.tensor(ids)
+    rows = torch.tensor([row for row, _, _ in found])
+    targets = torch.tensor([at for _, at, _ in found])
+    return to_device(rows, device), to_device(targets, device), to_device(members, device)
