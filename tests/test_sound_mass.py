@@ -157,7 +157,9 @@ def test_rl_with_sound_mass_reports_it_and_refuses_envs_without_verdicts(tmp_pat
     ((_, metrics),) = sink.metrics
     legal = metrics["tictactoe/invalid_move_rate"] < 1
     assert legal and metrics["sound_mass/moves"] >= 4
-    assert 0 < metrics["sound_mass/mean"] <= 1
+    assert 0 < metrics["sound_mass/mean"] < 1
+    # -log P(sound) > 0 joins the policy loss in the reported total.
+    assert metrics["loss/total"] > metrics["loss/policy"]
     refused = build_config(RLConfig, [("test", {**values, "env": "reverse_text"})])
     with pytest.raises(ValueError, match="sound_mass_weight=1.0 needs an env that judges"):
         run_rl(refused, RecordingSink())

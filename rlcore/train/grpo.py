@@ -105,9 +105,9 @@ def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tok
     """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the advantage
     metrics). 3: advantages from the rubric's rewards (and the env's per-move verdicts).
     4: training sequences, the sampled token ids, each token weighed in the loss, and with
-    `sound_mass_weight` every judged move's best options (sound_mass.py). With the collector's first threshold raised, as for the rollouts:
-    a large step's millions of token ids in lists made it collect over and over
-    (bench/rl_host_overhead.py)."""
+    `sound_mass_weight` every judged move's best options (sound_mass.py). With the
+    collector's first threshold raised, as for the rollouts: a large step's millions of
+    token ids in lists made it collect over and over (bench/rl_host_overhead.py)."""
     aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     with fewer_collections:
         turn_advantages, advantage_metrics = step_advantages(env, rollouts, cfg)
@@ -394,8 +394,10 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
             loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
             if best is not None:  # -log P(best moves), summed and normalized as the loss is
-                loss = loss - cfg.sound_mass_weight * best.sum() / max(normalizer, 1e-8)
+                mass_loss = -cfg.sound_mass_weight * best.sum() / max(normalizer, 1e-8)
+                loss = loss + mass_loss
                 stats |= {
+                    "total": stats["total"] + mass_loss.detach(),
                     "best_mass": best.detach().exp().sum(),
                     "judged": best.new_tensor(float(len(best))),
                 }
