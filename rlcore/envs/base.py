@@ -191,7 +191,7 @@ def example_seed(seed: int, index: int) -> int:
 
 
 @dataclass
-class DecisionOptions:
+class MoveOptions:
     """A judged move of a reply and the other moves its position allowed (see
     Environment.move_options): `prefix` is the reply's text up to the move, `played` the
     move's text, `others` the text of each other legal move, and `judge(option)` the env's
@@ -272,10 +272,10 @@ class Environment(ABC):
         credits each turn with its own reward on top of the episode's."""
         return None
 
-    def move_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
+    def move_options(self, rollout: Rollout, turn: int, reply: str) -> MoveOptions | None:
         """For turn `turn` of a finished rollout (its reply's text `reply`) that made a legal
         move the env judges: where the move sits in the reply and the other moves the
-        position allowed, each judged on request (see DecisionOptions). None for any other
+        position allowed, each judged on request (see MoveOptions). None for any other
         turn, and (the default) from an env without per-move verdicts. RL's
         `sound_mass_weight` judges every option of every such turn."""
         return None

@@ -36,7 +36,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlcore.envs.base import DecisionOptions, Fact, MultiTurnEnv, Param, example_seed
+from rlcore.envs.base import Fact, MoveOptions, MultiTurnEnv, Param, example_seed
 from rlcore.envs.tictactoe_game import (
     EMPTY,
     REASONING_FORMATS,
@@ -577,7 +577,7 @@ class TicTacToeEnv(MultiTurnEnv):
             for s, t in zip(sound, thinks, strict=True)
         ]
 
-    def move_options(self, rollout: Rollout, turn: int, reply: str) -> DecisionOptions | None:
+    def move_options(self, rollout: Rollout, turn: int, reply: str) -> MoveOptions | None:
         """For a legal move the solver judged: the reply up to its last `<move>` tag, the
         cell played, and the board's other empty cells, each judged 1.0 if it keeps the
         position's game-theoretic value (`sound_moves`) and 0.0 if not: the move part of
@@ -592,7 +592,7 @@ class TicTacToeEnv(MultiTurnEnv):
         if cell is None or reply[start : start + 1] != str(cell):
             return None  # e.g. a padded tag ("<move> 4</move>"): no one-character move to swap
         sound_cells = set(sound_moves(board, rollout.state["model_mark"]))
-        return DecisionOptions(
+        return MoveOptions(
             prefix=reply[:start],
             played=str(cell),
             others=[str(c) for c in empty_cells(board) if c != cell],

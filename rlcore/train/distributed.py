@@ -227,9 +227,7 @@ class Ranks:
         loss normalizer; returns rank 0's own share."""
         if not self.parallel:
             return sequences
-        ordered = sorted(
-            sequences, key=lambda s: (not (s.move_sets or any(s.advantages)), len(s.input_ids))
-        )
+        ordered = sorted(sequences, key=lambda s: (not s.has_gradient, len(s.input_ids)))
         shares = [(ordered[r :: self.world_size], normalizer) for r in range(self.world_size)]
         return self._scatter(shares)[0]
 

@@ -361,9 +361,9 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     before the first update, and the metrics stay there until the step ends, so on a GPU
     the loop only queues work and never waits for it."""
     with_reference = learner.reference is not None
-    # A sequence with advantage 0 adds no policy gradient, so without a KL term it is
+    # A sequence without advantage or judged move adds no gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
-    trainable = [s for s in sequences if with_reference or s.move_sets or any(s.advantages)]
+    trainable = [s for s in sequences if with_reference or s.has_gradient]
     # With one update and no reference the old logprobs are the current ones: taken from
     # this very pass (ratio exactly 1), with entropy and mismatch measured here.
     single_pass = cfg.num_iterations == 1 and not with_reference

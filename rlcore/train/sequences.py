@@ -43,6 +43,12 @@ class TrainingSequence:
     def trained_tokens(self) -> int:
         return sum(weight > 0 for weight in self.weights)
 
+    @property
+    def has_gradient(self) -> bool:
+        """Whether the policy loss gets a gradient from it without a KL term: a nonzero
+        advantage or a judged move (sound_mass.py)."""
+        return bool(self.move_sets) or any(self.advantages)
+
 
 def token_pieces(completion_ids: list[int], pieces: dict[int, str], tokenizer) -> list[str]:
     """The text of each token of a completion; `pieces` caches id -> text across calls."""
