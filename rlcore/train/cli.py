@@ -96,8 +96,7 @@ def _run(kind: str, cfg, sink: RunSink) -> str:
         return f"final checkpoint: {run_sft(cfg, sink)}"
     from rlcore.train.grpo import run_rl
 
-    path = run_rl(cfg, sink)
-    return f"final checkpoint: {path}" if path else "stopped part-way through a step; no checkpoint"
+    return f"final checkpoint: {run_rl(cfg, sink)}"
 
 
 def main(kind: str, argv: list[str]) -> int:

@@ -499,7 +499,7 @@ def run_rl_ranks(cfg, sink=None, *, processes: int = 1, engine: str = "local") -
             f"data-parallel run ({processes} processes) takes placement='colocated'"
         )
 
-    def main() -> str | None:
+    def main() -> str:
         path = run_rl(cfg, sink, engine=engine)
         current_ranks().end()  # after a failure the followers fail with the closed group
         return path

@@ -267,13 +267,12 @@ class Learner:
 
 
 class StepStopped(Exception):
-    """A stop request heard between micro-batches: the step is to be dropped. `updates`
-    is how many optimizer updates of the step were already taken."""
+    """A stop request heard between micro-batches, before the step's first optimizer
+    update: the step is to be dropped."""
 
-    def __init__(self, where: str, updates: int):
+    def __init__(self, where: str):
         super().__init__(where)
         self.where = where
-        self.updates = updates
 
 
 class StepSums:
@@ -335,7 +334,7 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     temperature = cfg.sampling.temperature
     for index, chunk in enumerate(chunks):
         if learner.should_stop():
-            raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run", 0)
+            raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run")
         input_ids, attention_mask, weights, _ = collate(chunk, learner.pad_id, learner.device)
         with autocast(learner.device):
             old, entropy, _ = token_logprobs(
@@ -356,8 +355,12 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
 def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict:
     """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
     of `policy_loss` over length-sorted micro-batches; returns the step's loss metrics.
-    StepStopped between micro-batches when a stop is requested (the partial gradient is
-    left for the caller to drop, never stepped on). The micro-batches go to the device
+    StepStopped between the first update's micro-batches when a stop is requested (the
+    partial gradient is left for the caller to drop, never stepped on). Once the first
+    update is taken the step's weights are neither the old nor the new ones, so the rest of
+    its updates run to the end: the stop is heard before the next step, and the completed
+    step is saved (a stop there used to drop a run's every step since its last save). The
+    micro-batches go to the device
     before the first update, and the metrics stay there until the step ends, so on a GPU
     the loop only queues work and never waits for it."""
     with_reference = learner.reference is not None
@@ -373,12 +376,8 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
     for iteration in range(cfg.num_iterations):
         for index, (chunk, batch, sets) in enumerate(zip(chunks, batches, move_sets, strict=True)):
-            if learner.should_stop():
-                where = (
-                    f"update {iteration + 1} of {cfg.num_iterations}: micro-batch {index + 1} "
-                    f"of {len(chunks)} not run"
-                )
-                raise StepStopped(where, iteration)
+            if iteration == 0 and learner.should_stop():
+                raise StepStopped(f"update 1: micro-batch {index + 1} of {len(chunks)} not run")
             input_ids, attention_mask, weights, advantages = batch
             with autocast(learner.device):
                 logprobs, entropy, best = token_logprobs(
@@ -459,10 +458,9 @@ def build_learner(cfg: RLConfig, device: torch.device, should_stop: Callable[[],
     return learner, tokenizer, state
 
 
-def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local") -> str | None:
+def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local") -> str:
     """Train `cfg.model` with RL on `cfg.env`; returns the final checkpoint directory, or
-    on a stop request the checkpoint saved then (None when a stop in a later update of a
-    step, num_iterations > 1, left nothing complete to save and none was saved before).
+    on a stop request the checkpoint saved then.
     `engine`: what samples the rollouts, "local" (the batching engine on the trainer's own
     model) or "vllm" (vLLM in this process, the trainer's weights loaded into it after every
     update; the local engine, with a warning in the log, where vLLM cannot run)."""
@@ -538,19 +536,12 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         sink.checkpoint(step, last_saved)
         return last_saved
 
-    def stop(step: int, where: str, updates: int = 0, start=None) -> str | None:
-        """End the run on a stop request heard in `step`. Before the step's first update
-        the weights are those after step - 1: that state is saved, with the sampler and
-        random states the step began from, so a resumed run plays the dropped step
-        exactly. After an update (num_iterations > 1) nothing part-way is saved."""
+    def stop(step: int, where: str, start=None) -> str:
+        """End the run on a stop request heard in `step`, before its first update (later
+        updates of a step run to its end): the weights are those after step - 1, and that
+        state is saved with the sampler and random states the step began from, so a
+        resumed run plays the dropped step exactly."""
         optimizer.zero_grad(set_to_none=True)
-        if updates:
-            sink.log(
-                f"rl: stopped on request inside step {step} ({where}) after {updates} of its "
-                f"{cfg.num_iterations} updates; nothing part-way saved (last: {last_saved or 'none'})",
-                "warning",
-            )
-            return last_saved
         path = checkpoint(step - 1, checkpoint_dir(output_dir, step - 1), start)
         sink.log(
             f"rl: stopped on request inside step {step} ({where}); saved the state after step "
@@ -585,9 +576,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                 )
             )
             if len(rollouts) < cfg.batch_size:
-                return stop(
-                    step, f"rollouts: {len(rollouts)} of {cfg.batch_size} finished", 0, start
-                )
+                return stop(step, f"rollouts: {len(rollouts)} of {cfg.batch_size} finished", start)
             rollout_seconds = time.monotonic() - step_started
             train_started = time.monotonic()
 
@@ -598,13 +587,13 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
             #    then the updates (each rank on its share in a data-parallel run); a stop
-            #    request between micro-batches drops the step.
+            #    request before the first update is taken drops the step.
             try:
                 trained = learn(learner, ranks.share(sequences, normalizer), normalizer, cfg)
                 copy_weights(model, generator)  # split placement: the engine's copy
                 sync_weights(rollouts_engine, model)  # vLLM samples the updated weights
             except StepStopped as stopped:
-                return stop(step, stopped.where, stopped.updates, start)
+                return stop(step, stopped.where, start)
             step_seconds = time.monotonic() - step_started
 
             # 6. Log: rollout statistics under the eval names, then the optimization's.

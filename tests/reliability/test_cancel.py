@@ -139,7 +139,7 @@ def test_a_stop_between_micro_batches_drops_the_step_without_an_optimizer_step(
     assert state["step"] == 0 and state["optimizer"]["state"] == {}  # Adam never stepped
     assert state["sampler"]["next_index"] == 0  # the dropped step's examples come again
     assert all(torch.equal(weights(path)[k], v) for k, v in weights(tiny_model).items())
-    assert any("inside step 1 (update 1 of 1: micro-batch 2 of" in m for _, m in sink.logs)
+    assert any("inside step 1 (update 1: micro-batch 2 of" in m for _, m in sink.logs)
     assert not (tmp_path / "rl" / "final").exists()
 
 
@@ -164,7 +164,7 @@ def test_a_run_resumed_after_a_mid_step_stop_plays_the_dropped_step_as_if_never_
     stopped = StopInStepTwosUpdate()
     path = run_rl(rl_config(tiny_model, tmp_path / "stopped", **changes), stopped)
     assert [step for step, _ in stopped.metrics] == [1] and path.endswith("step_000001")
-    assert any("inside step 2 (update 1 of 1: micro-batch 2 of" in m for _, m in stopped.logs)
+    assert any("inside step 2 (update 1: micro-batch 2 of" in m for _, m in stopped.logs)
 
     resumed = RecordingSink()
     run_rl(rl_config(tiny_model, tmp_path / "resumed", resume_from=path, **changes), resumed)
@@ -178,9 +178,11 @@ def test_a_run_resumed_after_a_mid_step_stop_plays_the_dropped_step_as_if_never_
     ]
 
 
-def test_a_stop_in_a_later_update_of_the_step_saves_no_half_updated_state(
+def test_a_stop_after_the_steps_first_update_finishes_the_step_and_saves_it(
     tiny_model, tmp_path, monkeypatch
 ):
+    """A stop heard once the step's first update is taken: its second update still runs,
+    the completed step is logged and saved, and no later step begins."""
     optimizer_steps: list[int] = []
     original = grpo.clip_gradients
 
@@ -192,9 +194,13 @@ def test_a_stop_in_a_later_update_of_the_step_saves_no_half_updated_state(
     sink = StopWhen(lambda: bool(optimizer_steps))
     cfg = rl_config(tiny_model, tmp_path / "rl", num_iterations=2, beta=0.1)
     path = run_rl(cfg, sink)
-    assert optimizer_steps == [1]
-    assert path is None and sink.checkpoints == [] and sink.metrics == []
-    assert any("after 1 of its 2 updates" in m for _, m in sink.logs)
+    assert optimizer_steps == [1, 1]
+    assert [step for step, _ in sink.metrics] == [1]
+    assert path.endswith("step_000001") and sink.checkpoints == [(1, path)]
+    state = torch.load(f"{path}/{TRAINER_STATE}", weights_only=True)
+    assert state["step"] == 1 and state["optimizer"]["state"]  # both updates stepped Adam
+    assert state["scheduler"]["last_epoch"] == 2
+    assert any("inside step 2 (before it began)" in m for _, m in sink.logs)
 
 
 def test_sft_stops_between_micro_batches_without_stepping_on_a_partial_batch(
