@@ -96,6 +96,26 @@ def test_creating_a_job_over_json(alice_client, alice_eval, django_capture_on_co
     assert job.config["num_examples"] == 3 and job.status == "queued" and len(callbacks) == 1
 
 
+def test_an_rl_job_over_json_names_its_recipe(
+    alice, alice_client, ttt_config, tiny, django_capture_on_commit_callbacks
+):
+    body = {"kind": "rl", "env_config": ttt_config.pk, "model": tiny.pk, "recipe": "rl_gpu"}
+    with django_capture_on_commit_callbacks(execute=False):
+        response = alice_client.post("/api/jobs/", body, content_type="application/json")
+    assert response.status_code == 201, response.content
+    config = Job.objects.get(pk=response.json()["id"]).config
+    assert config["batch_size"] == 256 and config["env_args"]["self_play"] == 0.5
+    default = {**body, "recipe": None}
+    with django_capture_on_commit_callbacks(execute=False):
+        response = alice_client.post("/api/jobs/", default, content_type="application/json")
+    assert Job.objects.get(pk=response.json()["id"]).config["batch_size"] == 64  # rl_sound
+    for bad in ("../../etc/passwd", "rl_gpu.toml", 7, ["rl"]):
+        response = alice_client.post(
+            "/api/jobs/", {**body, "recipe": bad}, content_type="application/json"
+        )
+        assert response.status_code == 400 and set(response.json()["errors"]) == {"recipe"}, bad
+
+
 def test_json_job_creation_errors_name_each_bad_field(alice_client, bob_client, alice_eval):
     response = alice_client.post(
         "/api/jobs/",

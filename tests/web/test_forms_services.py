@@ -306,3 +306,49 @@ def test_retries_and_requeues_say_where_they_came_from(alice, ttt_config, oracle
     assert f"retry of #{job.pk}" in listed and "attempt 2" in listed
     detail = alice_client.get(f"/jobs/{retried.pk}/").content.decode()
     assert f'href="/jobs/{job.pk}/">job #{job.pk}</a>' in detail
+
+
+def test_an_rl_job_starts_from_the_best_cpu_recipe_and_offers_the_gpu_one(alice, ttt_config, tiny):
+    assert services.recipe_names("rl")[0] == "rl_sound"
+    assert set(services.recipe_names("rl")) == {"rl", "rl_gpu", "rl_sound"}
+    assert services.recipe_names("eval") == ["eval"]
+    form = JobForm(kind="rl", user=alice)
+    assert form.recipe == "rl_sound" and form.fields["recipe"].initial == "rl_sound"
+    assert form.fields["sound_mass_weight"].initial == 1.0
+    gpu = JobForm(kind="rl", user=alice, recipe="rl_gpu")
+    assert gpu.fields["batch_size"].initial == 256
+    assert gpu.fields["optimizer__lr"].initial == 3e-4
+    # The recipe's settings reach the job's config, its env_args too where the environment
+    # config leaves a parameter at the env's default; what the config sets wins.
+    config = services.job_config_resolve(
+        owner=alice, kind="rl", env_config=ttt_config, model=tiny, options={}, recipe="rl_gpu"
+    )
+    assert config["batch_size"] == 256 and config["sound_mass_weight"] == 1.0
+    assert config["env_args"]["self_play"] == 0.5 and config["env_args"]["opening_moves"] == 2
+    assert config["env_args"]["max_turns"] == 6
+    own = services.env_config_save(
+        owner=alice, name="one opening move", env_name="tictactoe",
+        params={"max_turns": 5, "opening_moves": 1, "self_play": 0.25},
+    )  # fmt: skip
+    mine = services.job_config_resolve(
+        owner=alice, kind="rl", env_config=own, model=tiny, options={}, recipe="rl_gpu"
+    )
+    assert (mine["env_args"]["opening_moves"], mine["env_args"]["self_play"]) == (1, 0.25)
+    assert mine["env_args"]["max_turns"] == 5 and mine["env_args"]["num_groups"] == 4
+    plain = services.job_config_resolve(
+        owner=alice, kind="rl", env_config=ttt_config, model=tiny, options={}, recipe="rl"
+    )
+    assert plain["batch_size"] == 64 and plain["sound_mass_weight"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["../rl", "rl_gpu.toml", "/etc/passwd", "sft", "rl_nope"])
+def test_a_recipe_that_is_not_one_of_the_kinds_is_refused_on_its_field(
+    alice, ttt_config, tiny, name
+):
+    with pytest.raises(ValidationError) as raised:
+        services.job_config_resolve(
+            owner=alice, kind="rl", env_config=ttt_config, model=tiny, options={}, recipe=name
+        )
+    assert "accepted: rl_sound, rl, rl_gpu" in raised.value.message_dict["recipe"][0]
+    with pytest.raises(ValidationError):
+        JobForm(kind="rl", user=alice, recipe=name)

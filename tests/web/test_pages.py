@@ -264,3 +264,23 @@ def test_the_inspector_names_the_outcome_and_its_reward_apart_and_says_what_is_s
     rl.config = {"batch_size": 64, "log_rollouts": 256}
     rl.save()
     assert "Stored: every rollout (64 a step)." in page(alice_client, f"/jobs/{rl.pk}/rollouts/")
+
+
+def test_the_rl_form_links_its_recipes_and_posts_the_one_picked(
+    alice, alice_client, ttt_config, tiny, django_capture_on_commit_callbacks
+):
+    html = page(alice_client, "/jobs/new/?kind=rl")
+    assert re.search(r'data-recipe="rl_sound"\s+class="active"', html)
+    assert 'href="?kind=rl&amp;recipe=rl_gpu"' in html and 'id="recipe-summary"' in html
+    gpu = page(alice_client, "/jobs/new/?kind=rl&recipe=rl_gpu")
+    assert re.search(r'data-recipe="rl_gpu"\s+class="active"', gpu)
+    assert re.search(r'name="recipe" value="rl_gpu"', gpu)
+    assert re.search(r'name="batch_size" value="256"', gpu)
+    assert "large-batch regime of a GPU worker" in gpu  # the recipe's own comment
+    bad = alice_client.get("/jobs/new/?kind=rl&recipe=../../etc/passwd")
+    assert bad.status_code == 400 and b"recipe: no rl recipe" in bad.content
+    data = job_form_data(alice, "rl", env_config=ttt_config.pk, model=tiny.pk, recipe="rl_gpu")
+    with django_capture_on_commit_callbacks(execute=False):
+        response = alice_client.post("/jobs/new/", data)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert Job.objects.get().config["sound_mass_weight"] == 1.0

@@ -257,17 +257,24 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         queryset=EnvironmentConfig.objects.none(), label="Environment config"
     )
     model = NamedChoiceField(queryset=ModelEntry.objects.none(), label="Model")
+    # Which recipe of recipes/tictactoe_tiny the settings start from: picked by the page's
+    # recipe links (a GET reload shows its defaults), posted back with the form.
+    recipe = forms.CharField(required=False, widget=forms.HiddenInput, max_length=100)
     overrides = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 3}),
         help_text="More settings, one key=value per line (e.g. optimizer.lr=3e-4); values are JSON.",
     )
 
-    def __init__(self, *args, kind: str, user, **kwargs):
+    def __init__(self, *args, kind: str, user, recipe: str | None = None, **kwargs):
+        """`recipe`: one of `services.recipe_names(kind)` (checked: ValidationError on the
+        `recipe` field), None for the kind's default."""
         super().__init__(*args, **kwargs)
         from webapp.jobs import selectors
 
         self.kind = kind
+        self.recipe = services.recipe_check(kind, recipe) or services.default_recipe(kind)
+        self.fields["recipe"].initial = self.recipe
         configs = selectors.env_configs_for_user(user).filter(owner=user)
         models = selectors.models_for_user(user).filter(owner=user)
         self.fields["env_config"].queryset = configs
@@ -283,7 +290,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         if kind == "sft":
             self.fields["env_config"].required = False
             self.fields["env_config"].help_text = "Not used by SFT."
-        defaults = services.kind_defaults(kind)
+        defaults = services.kind_defaults(kind, self.recipe)
         self.settings: list[str] = []
         self.lists: set[str] = set()  # settings entered as comma-separated text
         for row in config_schema(services.CONFIG_CLASSES[kind]):

@@ -324,23 +324,80 @@ def model_delete(*, model: ModelEntry) -> None:
 # Job configs
 
 
-def recipe_path(kind: str) -> Path | None:
-    path = RECIPE_DIR / f"{kind}.toml"
-    return path if path.is_file() else None
+# The recipe a new job of the kind starts from when none is named: for RL the best measured
+# recipe a CPU worker can run (docs/mastery.md: per-move credit and the sound mass); the GPU
+# profile's, rl_gpu, is offered beside it.
+DEFAULT_RECIPES = {"rl": "rl_sound"}
 
 
-def recipe_values(kind: str) -> dict[str, Any]:
-    """The settings of recipes/tictactoe_tiny/<kind>.toml ({} without one)."""
-    path = recipe_path(kind)
+def recipe_names(kind: str) -> list[str]:
+    """The recipes of recipes/tictactoe_tiny for `kind`: `<kind>.toml` and `<kind>_*.toml`,
+    by name, the default first."""
+    names = sorted(
+        path.stem
+        for path in RECIPE_DIR.glob(f"{kind}*.toml")
+        if path.stem == kind or path.stem.startswith(f"{kind}_")
+    )
+    default = default_recipe(kind)
+    return sorted(names, key=lambda name: name != default)
+
+
+def default_recipe(kind: str) -> str:
+    return DEFAULT_RECIPES.get(kind, kind)
+
+
+def recipe_path(kind: str, name: str | None = None) -> Path | None:
+    """The file of recipe `name` (the kind's default when None) for `kind`; None when the
+    kind has no recipe of that name. A name is looked up among `recipe_names`, never joined
+    to a path as given."""
+    name = name or default_recipe(kind)
+    if name not in recipe_names(kind):
+        return None
+    return RECIPE_DIR / f"{name}.toml"
+
+
+def recipe_check(kind: str, name: str | None) -> str | None:
+    """`name` when it is one of the kind's recipes (None stays None: the default);
+    ValidationError on the `recipe` field otherwise."""
+    if name is None or name == "":
+        return None
+    names = recipe_names(kind)
+    if not isinstance(name, str) or name not in names:
+        raise ValidationError(
+            {
+                "recipe": f"no {kind} recipe {str(name)[:100]!r}; accepted: "
+                + (", ".join(names) or "none")
+            }
+        )
+    return name
+
+
+def recipe_summary(path: Path) -> str:
+    """The recipe file's opening comment, as one paragraph."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if text.startswith("Run:"):
+            break
+        lines.append(text)
+    return " ".join(lines)
+
+
+def recipe_values(kind: str, name: str | None = None) -> dict[str, Any]:
+    """The settings of recipe `name` (the kind's default when None) of
+    recipes/tictactoe_tiny ({} without one)."""
+    path = recipe_path(kind, name)
     return tomllib.loads(path.read_text()) if path is not None else {}
 
 
-def kind_defaults(kind: str) -> dict[str, Any]:
+def kind_defaults(kind: str, recipe: str | None = None) -> dict[str, Any]:
     """Every setting of the kind (dotted names for sections' settings) with its default
-    under the tictactoe_tiny recipe."""
+    under the tictactoe_tiny recipe `recipe` (the kind's default when None)."""
     cls = CONFIG_CLASSES[kind]
     defaults = {row["name"]: row["default"] for row in config_schema(cls)}
-    for key, value in flatten_settings(recipe_values(kind)).items():
+    for key, value in flatten_settings(recipe_values(kind, recipe)).items():
         defaults[place_setting(cls, key)] = value
     return defaults
 
@@ -407,12 +464,14 @@ def job_config_resolve(
     model: ModelEntry,
     options: dict,
     overrides: str = "",
+    recipe: str | None = None,
 ) -> dict:
     """The full rlcore config a job will run with, as a JSON-able dict.
 
-    Layers, later winning: the config class defaults, the recipe in
-    recipes/tictactoe_tiny/<kind>.toml, the model's generation defaults, the form's
-    settings, then free `key=value` overrides. The same checks run for the form and the
+    Layers, later winning: the config class defaults, the recipe `recipe` of
+    recipes/tictactoe_tiny (`recipe_names`; the kind's default when None), the model's
+    generation defaults, the environment config (for RL, its parameters left at the env's
+    default keep the recipe's env_args), the form's settings, then free `key=value` overrides. The same checks run for the form and the
     JSON API: each setting's bounds (rlcore's config.BOUNDS), the environment's own
     parameter schema for `env_args`, path_confine for every path, then rlcore's
     validation; each message lands under the field it is about.
@@ -439,17 +498,31 @@ def job_config_resolve(
                 }
             )
 
-    recipe = recipe_values(kind)
+    name = recipe_check(kind, recipe) or default_recipe(kind)
+    recipe = recipe_values(kind, name)
     if env_config is not None and recipe.get("env") != env_config.env_name:
         # The recipe's env parameters are tic-tac-toe's: another env's job gets none.
         recipe.pop("env_args", None)
-    layers = [(f"recipe {kind}.toml", recipe)]
+    layers = [(f"recipe {name}.toml", recipe)]
     if kind != "sft":  # sampling settings: SFT samples nothing
         layers.append(("the model's generation defaults", dict(model.generation or {})))
     layers.append(("the model", model.policy_args()))
     if kind in ("eval", "synth", "rl"):
-        env = {"env": env_config.env_name, "env_args": dict(env_config.params)}
-        layers.append(("the environment config", env))
+        # The environment config's parameters win over the recipe's, except, for RL, those
+        # it leaves at the env's default: there the recipe's training regime applies
+        # (rl_gpu's self-play and opening moves under a config that never set them). An
+        # eval or synth job plays exactly the config's task.
+        params = dict(env_config.params)
+        if kind == "rl" and "env_args" in recipe:
+            defaults = {
+                p["name"]: p["default"] for p in get_env_class(env_config.env_name).schema()
+            }
+            params = {
+                k: v
+                for k, v in params.items()
+                if k not in recipe["env_args"] or k not in defaults or v != defaults[k]
+            }
+        layers.append(("the environment config", {"env": env_config.env_name, "env_args": params}))
     layers.append(("the job's settings", _user_settings(options, overrides)))
     try:
         config = build_config(CONFIG_CLASSES[kind], layers).to_dict()
@@ -516,6 +589,7 @@ def job_create(
     options: dict | None = None,
     overrides: str = "",
     parent_checkpoint: Checkpoint | None = None,
+    recipe: str | None = None,
 ) -> Job:
     """Resolve the job's config and what it needs (gpus, gpu_memory_gib, engine, among
     the options or overrides), store them, and queue the job on a queue that can serve it
@@ -530,6 +604,7 @@ def job_create(
         model=model,
         options=options,
         overrides=overrides,
+        recipe=recipe,
     )
     _check_placement(kind, config, needs)
     if parent_checkpoint is None and model.kind == ModelEntry.Kind.CHECKPOINT:

@@ -14,7 +14,13 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
-from django.http import FileResponse, Http404, HttpResponse, StreamingHttpResponse
+from django.http import (
+    FileResponse,
+    Http404,
+    HttpResponse,
+    HttpResponseBadRequest,
+    StreamingHttpResponse,
+)
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
@@ -272,7 +278,13 @@ def job_create(request):
     # Links from other pages preselect a model ("Eval" on a checkpoint) or a dataset
     # ("Start SFT" on a synth job); the form checks either against the user's own.
     initial = {key: request.GET[key] for key in ("model", "dataset") if request.GET.get(key)}
-    form = JobForm(request.POST or None, kind=kind, user=request.user, initial=initial)
+    recipe = request.POST.get("recipe") or request.GET.get("recipe") or None
+    try:
+        form = JobForm(
+            request.POST or None, kind=kind, user=request.user, recipe=recipe, initial=initial
+        )
+    except ValidationError as exc:  # a recipe the kind does not have
+        return HttpResponseBadRequest(f"recipe: {exc.message_dict['recipe'][0]}")
     if request.method == "POST" and form.is_valid():
         try:
             job = services.job_create(
@@ -282,6 +294,7 @@ def job_create(request):
                 model=form.cleaned_data["model"],
                 options=form.options(),
                 overrides=form.cleaned_data["overrides"],
+                recipe=form.recipe,
             )
         except (ValidationError, ParamError) as exc:
             form.add_service_error(
@@ -300,7 +313,11 @@ def job_create(request):
             "form": form,
             "kind": kind,
             "kinds": list(CONFIG_CLASSES),
-            "recipe": services.recipe_path(kind),
+            "recipe": form.recipe,
+            "recipes": [
+                {"name": name, "summary": services.recipe_summary(services.recipe_path(kind, name))}
+                for name in services.recipe_names(kind)
+            ],
         },
     )
 
