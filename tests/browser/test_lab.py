@@ -175,7 +175,16 @@ def test_an_rl_job_of_the_tiny_model_draws_each_step_and_keeps_its_checkpoint(
     page: Page, lab, stack
 ):
     config_id, tiny_id = need(lab, "config_id"), need(lab, "tiny_id")
+    # The form starts from the best CPU recipe; the GPU profile's is one click away.
     page.goto("/jobs/new/?kind=rl")
+    expect(page.locator("#recipe-tabs a.active")).to_have_text("rl_sound")
+    page.click("#recipe-tabs a[data-recipe=rl_gpu]")
+    page.wait_for_url(re.compile(r"recipe=rl_gpu"))
+    expect(page.locator("#id_batch_size")).to_have_value("256")
+    expect(page.locator("#recipe-summary")).to_contain_text("large-batch regime of a GPU worker")
+    screenshot(page, "new_job_rl.png")
+    page.click("#recipe-tabs a[data-recipe=rl_sound]")
+    expect(page.locator("#id_batch_size")).to_have_value("64")
     page.select_option("#id_env_config", str(config_id))
     page.select_option("#id_model", str(tiny_id))
     page.locator("#all-settings > summary").click()

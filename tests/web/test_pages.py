@@ -277,6 +277,7 @@ def test_the_rl_form_links_its_recipes_and_posts_the_one_picked(
     assert re.search(r'name="recipe" value="rl_gpu"', gpu)
     assert re.search(r'name="batch_size" value="256"', gpu)
     assert "large-batch regime of a GPU worker" in gpu  # the recipe's own comment
+    assert "more about rl_gpu" in gpu and "The best GPU recipe measured" in gpu
     bad = alice_client.get("/jobs/new/?kind=rl&recipe=../../etc/passwd")
     assert bad.status_code == 400 and b"recipe: no rl recipe" in bad.content
     data = job_form_data(alice, "rl", env_config=ttt_config.pk, model=tiny.pk, recipe="rl_gpu")

@@ -372,17 +372,17 @@ def recipe_check(kind: str, name: str | None) -> str | None:
     return name
 
 
-def recipe_summary(path: Path) -> str:
-    """The recipe file's opening comment, as one paragraph."""
+def recipe_summary(path: Path) -> tuple[str, str]:
+    """The recipe file's opening comment as (its first sentence, the rest), up to its
+    `Run:` line."""
     lines = []
     for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
         text = line.lstrip("#").strip()
-        if text.startswith("Run:"):
+        if not line.startswith("#") or text.startswith("Run:"):
             break
         lines.append(text)
-    return " ".join(lines)
+    first, *rest = re.split(r"(?<=[.!?]) +(?=[A-Z(])", " ".join(lines), maxsplit=1)
+    return first, "".join(rest)
 
 
 def recipe_values(kind: str, name: str | None = None) -> dict[str, Any]:

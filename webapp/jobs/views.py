@@ -315,7 +315,13 @@ def job_create(request):
             "kinds": list(CONFIG_CLASSES),
             "recipe": form.recipe,
             "recipes": [
-                {"name": name, "summary": services.recipe_summary(services.recipe_path(kind, name))}
+                dict(
+                    zip(
+                        ("name", "summary", "notes"),
+                        (name, *services.recipe_summary(services.recipe_path(kind, name))),
+                        strict=True,
+                    )
+                )
                 for name in services.recipe_names(kind)
             ],
         },
