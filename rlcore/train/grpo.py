@@ -360,9 +360,8 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     update is taken the step's weights are neither the old nor the new ones, so the rest of
     its updates run to the end: the stop is heard before the next step, and the completed
     step is saved (a stop there used to drop a run's every step since its last save). The
-    micro-batches go to the device
-    before the first update, and the metrics stay there until the step ends, so on a GPU
-    the loop only queues work and never waits for it."""
+    micro-batches go to the device before the first update, and the metrics stay there
+    until the step ends, so on a GPU the loop only queues work and never waits for it."""
     with_reference = learner.reference is not None
     # A sequence without advantage or judged move adds no gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
