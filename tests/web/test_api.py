@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from tests.lab_fixtures import announce_node
 from webapp.jobs.models import Job, Metric
 from webapp.jobs.selectors import downsample
 
@@ -100,11 +101,20 @@ def test_an_rl_job_over_json_names_its_recipe(
     alice, alice_client, ttt_config, tiny, django_capture_on_commit_callbacks
 ):
     body = {"kind": "rl", "env_config": ttt_config.pk, "model": tiny.pk, "recipe": "rl_gpu"}
+    # The GPU profile's recipe asks for a GPU unless the job says otherwise.
+    response = alice_client.post("/api/jobs/", body, content_type="application/json")
+    assert response.status_code == 400 and "1 GPU(s)" in response.json()["errors"]["gpus"][0]
+    announce_node("gpu@box", queues=("gpu",), gpus=(80,))
     with django_capture_on_commit_callbacks(execute=False):
         response = alice_client.post("/api/jobs/", body, content_type="application/json")
     assert response.status_code == 201, response.content
-    config = Job.objects.get(pk=response.json()["id"]).config
-    assert config["batch_size"] == 256 and config["env_args"]["self_play"] == 0.5
+    job = Job.objects.get(pk=response.json()["id"])
+    assert job.queue == "gpu" and response.json()["needs"]["gpus"] == 1
+    assert job.config["batch_size"] == 256 and job.config["env_args"]["self_play"] == 0.5
+    on_cpu = {**body, "options": {"gpus": 0}}
+    with django_capture_on_commit_callbacks(execute=False):
+        response = alice_client.post("/api/jobs/", on_cpu, content_type="application/json")
+    assert response.status_code == 201 and Job.objects.get(pk=response.json()["id"]).queue == "cpu"
     default = {**body, "recipe": None}
     with django_capture_on_commit_callbacks(execute=False):
         response = alice_client.post("/api/jobs/", default, content_type="application/json")

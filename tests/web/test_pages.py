@@ -276,6 +276,7 @@ def test_the_rl_form_links_its_recipes_and_posts_the_one_picked(
     assert re.search(r'data-recipe="rl_gpu"\s+class="active"', gpu)
     assert re.search(r'name="recipe" value="rl_gpu"', gpu)
     assert re.search(r'name="batch_size" value="256"', gpu)
+    assert re.search(r'name="gpus" value="1"', gpu)  # the recipe asks for a GPU
     assert "large-batch regime of a GPU worker" in gpu  # the recipe's own comment
     assert "more about rl_gpu" in gpu and "The best GPU recipe measured" in gpu
     bad = alice_client.get("/jobs/new/?kind=rl&recipe=../../etc/passwd")

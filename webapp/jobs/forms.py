@@ -312,7 +312,9 @@ class JobForm(ServiceErrorsMixin, forms.Form):
                 continue  # SFT samples nothing
             field = setting_field(row)
             field.required = False  # blank: the default (a CPU job on the local engine)
-            field.initial = row["default"]
+            field.initial = services.RECIPE_NEEDS.get(self.recipe, {}).get(
+                row["name"], row["default"]
+            )
             self.fields[row["name"]] = field
             self.settings.append(row["name"])
 

@@ -328,6 +328,9 @@ def model_delete(*, model: ModelEntry) -> None:
 # recipe a CPU worker can run (docs/mastery.md: per-move credit and the sound mass); the GPU
 # profile's, rl_gpu, is offered beside it.
 DEFAULT_RECIPES = {"rl": "rl_sound"}
+# What a recipe asks of the node that runs it, where the job does not say (the lab's
+# settings, not rlcore's: a recipe file stays loadable by `python -m rlcore`).
+RECIPE_NEEDS = {"rl_gpu": {"gpus": 1}}
 
 
 def recipe_names(kind: str) -> list[str]:
@@ -596,6 +599,8 @@ def job_create(
     (cpu, or a gpu queue whose live nodes have the GPUs); ValidationError naming the field
     when no live node can."""
     options, overrides, asked = job_needs_split(options or {}, overrides)
+    wanted = RECIPE_NEEDS.get(recipe_check(kind, recipe) or default_recipe(kind), {})
+    asked = wanted | {key: value for key, value in asked.items() if value not in (None, "")}
     needs = needs_resolve(asked, kind=kind)
     config = job_config_resolve(
         owner=owner,
