@@ -373,5 +373,4 @@ def test_turn_reward_and_advantage_settings_are_checked():
         config(turn_reward_weight=-1.0)
     with pytest.raises(ConfigError, match='advantage "none" leaves nothing to learn'):
         config(advantage="none")
-    config(advantage="none", sound_mass_weight=1.0)  # the sound mass alone trains
     config(advantage="none", turn_reward_weight=1.0)

@@ -363,13 +363,8 @@ class RLConfig:
                 f"must be a multiple of rollouts_per_example ({self.rollouts_per_example}), "
                 f"got {self.batch_size}"
             )
-        if self.advantage == "none" and not (
-            self.turn_reward_weight > 0 or self.sound_mass_weight > 0
-        ):
-            errors["advantage"] = (
-                '"none" leaves nothing to learn from: set turn_reward_weight > 0 or '
-                "sound_mass_weight > 0"
-            )
+        if self.advantage == "none" and not self.turn_reward_weight > 0:
+            errors["advantage"] = '"none" leaves nothing to learn from: set turn_reward_weight > 0'
         if self.scale_rewards and self.advantage != "group":
             errors["scale_rewards"] = "applies to advantage 'group' only"
         elif self.scale_rewards and self.loss.type == "dr_grpo":

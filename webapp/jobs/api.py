@@ -119,9 +119,6 @@ def _job_create(request) -> JsonResponse:
     overrides = body.get("overrides", "")
     if not isinstance(overrides, str):
         errors["overrides"] = "expected key=value lines as one string"
-    recipe = body.get("recipe")
-    if recipe is not None and not isinstance(recipe, str):
-        errors["recipe"] = 'expected the name of a recipe of recipes/tictactoe_tiny, e.g. "rl_gpu"'
     if errors:
         return errors_response(errors)
     try:
@@ -132,7 +129,7 @@ def _job_create(request) -> JsonResponse:
             model=model,
             options=options,
             overrides=overrides,
-            recipe=recipe,
+            recipe=body.get("recipe"),  # checked by the services, like the rest
         )
     except ValidationError as exc:
         return validation_response(exc)

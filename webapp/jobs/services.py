@@ -335,7 +335,9 @@ RECIPE_NEEDS = {"rl_gpu": {"gpus": 1}}
 
 def recipe_names(kind: str) -> list[str]:
     """The recipes of recipes/tictactoe_tiny for `kind`: `<kind>.toml` and `<kind>_*.toml`,
-    by name, the default first."""
+    by name, the default first; none for a kind that is not one (never globbed)."""
+    if kind not in CONFIG_CLASSES:
+        return []
     names = sorted(
         path.stem
         for path in RECIPE_DIR.glob(f"{kind}*.toml")
@@ -373,6 +375,16 @@ def recipe_check(kind: str, name: str | None) -> str | None:
             }
         )
     return name
+
+
+def recipe_choices(kind: str) -> list[dict[str, str]]:
+    """The kind's recipes for the job form: name, and the summary and notes of its
+    opening comment (`recipe_summary`)."""
+    choices = []
+    for name in recipe_names(kind):
+        summary, notes = recipe_summary(RECIPE_DIR / f"{name}.toml")
+        choices.append({"name": name, "summary": summary, "notes": notes})
+    return choices
 
 
 def recipe_summary(path: Path) -> tuple[str, str]:

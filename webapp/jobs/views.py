@@ -314,16 +314,7 @@ def job_create(request):
             "kind": kind,
             "kinds": list(CONFIG_CLASSES),
             "recipe": form.recipe,
-            "recipes": [
-                dict(
-                    zip(
-                        ("name", "summary", "notes"),
-                        (name, *services.recipe_summary(services.recipe_path(kind, name))),
-                        strict=True,
-                    )
-                )
-                for name in services.recipe_names(kind)
-            ],
+            "recipes": services.recipe_choices(kind),
         },
     )
 
