@@ -17,6 +17,14 @@ metrics in `<out>/rl/metrics.jsonl`.
 
     python bench/tictactoe_mastery.py                # the full run (30 min budget)
     python bench/tictactoe_mastery.py --quick        # a few minutes, to check the plumbing
+
+A budget longer than one sitting (a lent GPU machine runs a command for 10 minutes at most)
+is spent in two: `--split-minutes M` stops RL once the pipeline has run M minutes, saves
+the run and writes a partial results file without evaluating; the same command with
+`--resume <that file>` in place of `--split-minutes` continues RL from the saved state (the
+trainer's exact resume) for what is left of the budget, then evaluates. The wall times of
+both parts add up in the final JSON, the second part's start-up (loading, CUDA graphs)
+included.
 """
 
 from __future__ import annotations
@@ -48,12 +56,14 @@ OPPONENTS = {"random": 1.0, "optimal": 0.0}
 class DeadlineSink(ConsoleSink):
     """Console output plus a stop request once the stage's wall-time deadline passes."""
 
-    def __init__(self, deadline: float, metric_keys: list[str], metrics_path: Path):
+    def __init__(
+        self, deadline: float, metric_keys: list[str], metrics_path: Path, append: bool = False
+    ):
         super().__init__(metric_keys=metric_keys)
         self.deadline = deadline
         self.first_progress: tuple[float, int] | None = None
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = metrics_path.open("w")
+        self.metrics_file = metrics_path.open("a" if append else "w")
 
     def metric(self, step: int, values: dict[str, float]) -> None:
         """Shown on the console; every metric of every step kept in `metrics_path`."""
@@ -187,6 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-minutes", type=float, default=30.0, help="wall time for synth + SFT + RL together"
     )
+    parser.add_argument(
+        "--split-minutes",
+        type=float,
+        default=None,
+        help="stop RL once the pipeline has run this long, save it and write a partial "
+        "results file (no evaluation) for --resume",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="a partial results file of --split-minutes with the same settings: continue its "
+        "RL for the rest of the budget, then evaluate",
+    )
     parser.add_argument("--sft-games", type=int, default=200)
     parser.add_argument(
         "--reasoning",
@@ -292,42 +315,57 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.budget_minutes, args.eval_games, args.sft_epochs = 2.0, 50, 2
         args.base_games = 20
+    if args.split_minutes is not None and args.resume:
+        parser.error("--split-minutes and --resume are the two parts of one run: give one")
+    partial = load_partial(args) if args.resume else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget_s = args.budget_minutes * 60
     pipeline_started = time.monotonic()
-    times: dict[str, float] = {}
-    checkpoints: dict[str, str] = {}
-
-    base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)
-    checkpoints["base"] = base
     env_args = {"max_turns": args.max_turns, "num_groups": 4, "reasoning": args.reasoning}
 
-    # 2. Teacher data from the random-valid player; losses and unfinished games dropped.
-    started = time.monotonic()
-    synth = teacher_games("random", args.sft_games, env_args, out / "synth")
-    times["synth"] = time.monotonic() - started
+    if partial is None:
+        times: dict[str, float] = {}
+        checkpoints: dict[str, str] = {}
+        base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)
+        checkpoints["base"] = base
 
-    started = time.monotonic()
-    sft_dir = warm_up(
-        base,
-        synth["path"],
-        out / "sft",
-        args.sft_epochs,
-        args,
-        lr=args.sft_lr,
-        min_lr_ratio=args.sft_min_lr_ratio,
-    )
-    times["sft"] = time.monotonic() - started
-    checkpoints["sft"] = sft_dir
+        # 2. Teacher data from the random-valid player; losses and unfinished games dropped.
+        started = time.monotonic()
+        synth = teacher_games("random", args.sft_games, env_args, out / "synth")
+        times["synth"] = time.monotonic() - started
 
-    # 3. RL for whatever is left of the budget.
+        started = time.monotonic()
+        sft_dir = warm_up(
+            base,
+            synth["path"],
+            out / "sft",
+            args.sft_epochs,
+            args,
+            lr=args.sft_lr,
+            min_lr_ratio=args.sft_min_lr_ratio,
+        )
+        times["sft"] = time.monotonic() - started
+        checkpoints["sft"] = sft_dir
+    else:  # the second part of a split run: synth and SFT are the first part's
+        times, checkpoints, synth = (
+            partial["wall_seconds"],
+            partial["checkpoints"],
+            partial["synth"],
+        )
+        base, sft_dir = checkpoints["base"], checkpoints["sft"]
+    spent = times.get("pipeline", 0.0)  # by the first part of a split run
+
+    # 3. RL for whatever is left of the budget (or until the split).
     started = time.monotonic()
-    deadline = pipeline_started + budget_s
+    deadline = pipeline_started + budget_s - spent
+    if args.split_minutes is not None:
+        deadline = min(deadline, pipeline_started + args.split_minutes * 60)
     rl_dir = run_rl(
         settings(
             RLConfig,
             model=sft_dir,
+            resume_from=checkpoints["rl"] if partial else None,
             env="tictactoe",
             env_args={
                 **env_args,
@@ -373,11 +411,24 @@ def main(argv: list[str] | None = None) -> int:
                 "sound_mass/mean",
             ],
             out / "rl" / "metrics.jsonl",
+            append=partial is not None,
         ),
     )
-    times["rl"] = time.monotonic() - started
-    times["pipeline"] = time.monotonic() - pipeline_started
+    times["rl"] = times.get("rl", 0.0) + time.monotonic() - started
+    times["pipeline"] = spent + time.monotonic() - pipeline_started
     checkpoints["rl"] = rl_dir
+    if args.split_minutes is not None:
+        times["first_part"] = times["pipeline"]
+        report = {"benchmark": "tictactoe_mastery", "partial": True, "args": vars(args)}
+        report |= {"synth": synth, "wall_seconds": times, "checkpoints": checkpoints}
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(
+            f"\nfirst part: {times['pipeline']:.0f} s of the {budget_s:.0f} s budget; RL saved "
+            f"at {rl_dir}\ncontinue with the same command and --resume {args.results} in "
+            "place of --split-minutes"
+        )
+        return 0
 
     # 4. Evaluation (not part of the training budget).
     stages = {"sft": sft_dir, "rl": rl_dir}
@@ -417,6 +468,23 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results, times))
     print(f"\nresults: {args.results}\nRL checkpoint: {rl_dir}")
     return 0
+
+
+def load_partial(args) -> dict:
+    """The first part's results file for --resume, checked: partial, and run with the same
+    settings as this command (all but the split, the resume and where results go)."""
+    path = Path(args.resume)
+    if not path.is_file():
+        raise SystemExit(f"--resume: no such file {path}")
+    partial = json.loads(path.read_text())
+    if not partial.get("partial"):
+        raise SystemExit(f"--resume: {path} is not the partial results of --split-minutes")
+    free = {"split_minutes", "resume", "results"}
+    mine = {k: v for k, v in vars(args).items() if k not in free}
+    theirs = {k: v for k, v in partial["args"].items() if k not in free}
+    if differ := sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)):
+        raise SystemExit(f"--resume: {path} was run with other settings: {', '.join(differ)}")
+    return partial
 
 
 def format_table(results: dict, times: dict) -> str:
