@@ -3,7 +3,7 @@ into rollout / scoring / train, on one device in one process.
 
     python bench/tictactoe_rl_step.py [--device auto] [--games 64,256,1024] [--steps 3]
         [--micro-batch-size 128] [--profile] [--all-trained] [--no-prefix-store]
-        [--max-batch-size N]
+        [--max-batch-size N] [--recipe TOML --model NAME]
 
 The step is `run_rl`'s (rlcore/train/grpo.py) written out with a clock between its parts,
 on the built-in tiny model (untrained: replies run to `max_tokens` more often than a
@@ -24,6 +24,13 @@ off. `--max-batch-size` caps the engine's batch (default: every concurrent turn 
 in one batch). The first step of each size (graph capture, allocator warm-up) is not timed; figures are
 medians of `--steps` steps. `--profile` runs one more step of the largest size under the
 torch profiler and prints its top operators. Writes bench/results/tictactoe_rl_step_<device>.json.
+
+`--recipe` measures a recipe's own step instead (e.g. recipes/tictactoe_tiny/rl_gpu.toml,
+the mastery recipe: its env args, self-play included, its loss, the sound mass), with
+`--model` as the policy (e.g. `tiny-master`, a trained player whose replies end as a trained
+model's do); the games a step, the device and the micro-batch size stay the command's, and
+scoring is the trainer's own `step_sequences` (advantages, training sequences and the sound
+mass's judged moves).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from rlcore.train.grpo import (  # noqa: E402
     loss_normalizer,
     score_sequences,
     step_advantages,
+    step_sequences,
     update_policy,
 )
 from rlcore.train.sampling import StratifiedSampler  # noqa: E402
@@ -64,9 +72,24 @@ ENV_ARGS = (
 )
 
 
-def config(games: int, device: str, micro_batch_size: int, output_dir: str) -> RLConfig:
+def config(
+    games: int,
+    device: str,
+    micro_batch_size: int,
+    output_dir: str,
+    recipe: str | None = None,
+    model: str = "tiny",
+) -> RLConfig:
+    """The benchmark's settings, or `recipe`'s with the command's size, device and model."""
+    if recipe is not None:
+        overrides = [
+            f"model={model}", f"batch_size={games}", f"concurrency={games}",
+            f"micro_batch_size={micro_batch_size}", "save_every=0", f"device={device}",
+            f"output_dir={output_dir}", "max_steps=1000000",
+        ]  # fmt: skip
+        return load_config(RLConfig, recipe, overrides)
     settings = [
-        "model=tiny", "env=tictactoe", f"batch_size={games}", "rollouts_per_example=8",
+        f"model={model}", "env=tictactoe", f"batch_size={games}", "rollouts_per_example=8",
         "advantage=tree", "loss_aggregation=turn", f"micro_batch_size={micro_batch_size}",
         "lr=1e-4", "lr_schedule=constant", "warmup_steps=5", "temperature=0.7",
         "max_tokens=64", "save_every=0", f"device={device}", f"concurrency={games}",
@@ -97,10 +120,14 @@ def run_size(
     all_trained: bool,
     prefix_store: bool = True,
     max_batch_size: int | None = None,
+    recipe: str | None = None,
+    model_name: str = "tiny",
 ):
     """Per-step seconds (rollout, scoring, train) at `games` games a step."""
     with tempfile.TemporaryDirectory() as output_dir:
-        cfg = config(games, device_name, min(micro_batch_size, games), output_dir)
+        cfg = config(
+            games, device_name, min(micro_batch_size, games), output_dir, recipe, model_name
+        )
     device = torch.device(device_name)
     torch.manual_seed(0)
     env = load_environment(cfg.env, **cfg.env_args)
@@ -120,7 +147,12 @@ def run_size(
     learner = Learner(
         model, None, optimizer, scheduler, tokenizer.pad_token_id, device, lambda: False
     )
-    sampling = SamplingParams(temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens)  # fmt: skip
+    sampling = SamplingParams(
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        max_tokens=cfg.sampling.max_tokens,
+    )
+    pieces: dict[int, str] = {}  # token texts, as run_rl keeps them across steps
     loop = asyncio.new_event_loop()
 
     def one_step() -> dict:
@@ -138,18 +170,20 @@ def run_size(
             )
         )
         rolled = time.perf_counter()
-        with fewer_collections:  # as grpo.step_sequences builds them
-            turn_advantages, _ = step_advantages(env, rollouts, cfg)
-            if all_trained:
+        if all_trained:
+            with fewer_collections:  # as grpo.step_sequences builds them
+                turn_advantages, _ = step_advantages(env, rollouts, cfg)
                 turn_advantages = [
                     [1.0 if index % 2 else -1.0] * len(turns)
                     for index, turns in enumerate(turn_advantages)
                 ]
-            sequences = []
-            for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
-                sequences += training_sequences(rollout, advantages, cfg.loss.aggregation)
-            normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
-        chunks = micro_batches([s for s in sequences if any(s.advantages)], cfg.micro_batch_size)
+                sequences = []
+                for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
+                    sequences += training_sequences(rollout, advantages, cfg.loss.aggregation)
+                normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
+        else:  # the trainer's own steps 3-4
+            sequences, normalizer, _ = step_sequences(env, rollouts, cfg, tokenizer, pieces)
+        chunks = micro_batches([s for s in sequences if s.has_gradient], cfg.micro_batch_size)
         if cfg.num_iterations > 1:
             score_sequences(learner, sequences, cfg)
         sync(device)
@@ -232,6 +266,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--max-batch-size", type=int, default=None, help="engine batch cap (default: the engine's)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--recipe", default=None, help="an RL recipe whose step to measure (its settings)"
+    )
+    parser.add_argument("--model", default="tiny", help="the policy: tiny, tiny-master, a dir")
     parser.add_argument("--out", default=None, help="JSON path (default by device)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -256,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
             args.all_trained,
             not args.no_prefix_store,
             args.max_batch_size,
+            args.recipe,
+            args.model,
         )
         summaries.append(summary)
         details[games] = measured
@@ -263,7 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {games} games: {summary['step']:.2f} s/step", flush=True)
 
     trained = ", every rollout trained (advantage +-1)" if args.all_trained else ""
-    print(f"\ntic-tac-toe RL step, tiny model, {device} ({card}){trained}")
+    setting = f"{args.model}, {args.recipe or 'the benchmark settings'}"
+    print(f"\ntic-tac-toe RL step, {setting}, {device} ({card}){trained}")
     print(
         f"{'card':<22}{'games':>6}{'rollout s':>11}{'scoring s':>11}{'train s':>9}{'step s':>8}"
         f"{'vs 64':>7}{'batches':>9}{'tokens':>9}{'games/s':>9}{'padding':>9}{'reused':>8}"
@@ -289,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
         "micro_batch_size": args.micro_batch_size,
         "all_trained": args.all_trained,
         "prefix_store": not args.no_prefix_store,
+        "model": args.model,
+        "recipe": args.recipe,
         "summaries": summaries,
         "steps": details,
         "profile": profile_table,
