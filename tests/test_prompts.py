@@ -19,6 +19,7 @@ from rlcore.policy.prompts import (
     PrefixTokenizer,
     PromptRenderer,
     message_local_problem,
+    plain_fast_encode,
     prefix_reuse_problem,
     render_builtin_chatml,
 )
@@ -258,3 +259,52 @@ def test_replies_decoded_in_one_batch_are_decoded_one_by_one(default_tiny_model)
     completions = [(ids, [], "stop") for ids in replies]
     expected = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in replies]
     assert engine._decode_replies(completions) == expected
+
+
+def test_texts_encoded_by_the_backend_are_transformers_ids(default_tiny_model):
+    """The shipped tokenizer skips transformers' call (its per-text conversion) and encodes
+    in the backend: the same ids, for whole texts and for the rests of growing prompts."""
+    fresh = AutoTokenizer.from_pretrained(default_tiny_model)
+    assert plain_fast_encode(fresh)
+    prompts, calls = PrefixTokenizer(fresh), []
+    backend = fresh.backend_tokenizer
+    original = backend.encode_batch_fast
+
+    class Counting:  # the backend is a Rust object: wrap it to count the fast calls
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def encode_batch_fast(self, texts, **kwargs):
+            calls.append(len(texts))
+            return original(texts, **kwargs)
+
+    fresh._tokenizer = Counting()
+    rng = random.Random(2)
+    texts = ["".join(rng.choice(PIECES) for _ in range(rng.randint(0, 40))) for _ in range(50)]
+    assert prompts.encode(texts) == whole(fresh, texts)
+    for grown in growing_prompts(fresh, conversations=10, turns=4):
+        assert prompts.encode(grown) == whole(fresh, grown)
+    assert calls  # the backend's own batch encoder did the work
+
+
+def test_a_backend_left_truncating_is_encoded_by_transformers_call(default_tiny_model):
+    """A backend set to truncate (an earlier call asked for it) would cut the ids; the
+    encoder then goes through transformers' call, which encodes whole texts."""
+    fresh = AutoTokenizer.from_pretrained(default_tiny_model)
+    text = "<|im_start|>user\n" + "X.O\n" * 40 + "<|im_end|>\n"
+    expected = whole(fresh, [text])
+    fresh.backend_tokenizer.enable_truncation(5)
+    assert PrefixTokenizer(fresh).encode([text]) == expected
+    assert len(expected[0]) > 5
+
+
+def test_a_tokenizer_with_its_own_encoding_is_encoded_by_its_call(default_tiny_model):
+    fresh = AutoTokenizer.from_pretrained(default_tiny_model)
+
+    class Own(type(fresh)):
+        def _encode_plus(self, *args, **kwargs):
+            return super()._encode_plus(*args, **kwargs)
+
+    fresh.__class__ = Own
+    assert not plain_fast_encode(fresh)
+    assert not plain_fast_encode(object())
