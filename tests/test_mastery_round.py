@@ -1,0 +1,117 @@
+"""The mastery benchmark's budget in two parts, and the round runner that merges runs: a
+small real round on the CPU (synth, SFT, RL split then resumed, evaluation), and the
+merge's arithmetic on recorded results."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ROUND = load("tictactoe_mastery_round")
+# The smallest story that still plays, trains and resumes: 20 teacher games, one SFT
+# epoch, RL steps of 16 games with 16-token replies, 8 games per opponent.
+COMMON = (
+    "--device cpu --skip-base --budget-minutes 0.8 --sft-games 20 --sft-epochs 1 "
+    "--eval-games 8 --eval-concurrency 8 --rl-batch 16 --rl-group 4 --max-tokens 16 "
+    "--rl-turn-reward-weight 1 --rl-sound-mass 1 --rl-no-think-loss"
+)
+
+
+def runner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "tictactoe_mastery_round.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_path):
+    root, common = tmp_path / "round", ["--common", COMMON, "--run", "a=--seed 0"]
+    first = runner("--round", "t", "--root", str(root), *common, "--part", "1",
+                   "--split-minutes", "0.4")  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    partial = json.loads((root / "a.part.json").read_text())
+    assert partial["partial"] and "stages" not in partial  # nothing evaluated yet
+    assert partial["wall_seconds"]["pipeline"] < 0.4 * 60 + 10
+    steps_first = len((root / "a" / "rl" / "metrics.jsonl").read_text().splitlines())
+    assert steps_first >= 1 and f"{steps_first} RL steps" in first.stdout
+
+    # Another setting than the first part's is refused, by name, before anything runs.
+    other = subprocess.run(
+        [sys.executable, str(BENCH / "tictactoe_mastery.py"), *COMMON.split(), "--seed", "1",
+         "--resume", str(root / "a.part.json"), "--out", str(root / "a")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert other.returncode != 0 and "other settings: seed" in other.stderr
+
+    results, archive = tmp_path / "round.json", tmp_path / "archive"
+    second = runner("--round", "t", "--root", str(root), *common, "--part", "2",
+                    "--results", str(results), "--archive", str(archive))  # fmt: skip
+    assert second.returncode == 0, second.stdout + second.stderr
+    record = json.loads(results.read_text())
+    run = record["runs"]["a"]
+    # The second part went on from the first part's last saved step: one run of steps.
+    metrics = [json.loads(line) for line in (root / "a" / "rl" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    assert run["rl_steps"] == len(metrics) > steps_first
+    assert "resumed from" in (root / "a.log").read_text()
+    # Both parts' wall time together is the one budget (the second part's start included).
+    seconds = run["wall_seconds"]
+    assert seconds["first_part"] == pytest.approx(partial["wall_seconds"]["pipeline"], abs=0.1)
+    assert 0.8 * 60 - 1 <= seconds["pipeline"] < 0.8 * 60 + 15
+    assert set(run["stages"]) == {"sft", "rl"} and run["stages"]["rl"]["random"]["games"] == 8
+    assert run["curves"]["perf/step_seconds"]["last"] > 0
+    assert record["best"] == "a" and record["run_flags"] == {"a": "--seed 0"}
+    with tarfile.open(archive / "best.tar.gz") as packed:
+        assert "rt-a/model.safetensors" in packed.getnames()
+
+
+def _rl(win, draw_vs_optimal, loss, invalid):
+    row = {"win": win, "draw": 1 - win - loss, "loss": loss, "invalid_move_rate": invalid}
+    optimal = {"win": 0.0, "draw": draw_vs_optimal, "loss": 1 - draw_vs_optimal}
+    return {"random": row | {"format": 1.0}, "optimal": optimal | {"invalid_move_rate": invalid}}
+
+
+def test_the_merge_picks_the_best_run_by_the_choice_rule(tmp_path):
+    # b wins less than a but loses far less and draws more against optimal.
+    stages = {"a": _rl(0.80, 0.50, 0.15, 0.0), "b": _rl(0.70, 0.90, 0.05, 0.01)}
+    for name, rl in stages.items():
+        out = tmp_path / name
+        (out / "rl").mkdir(parents=True)
+        lines = [{"step": s, "perf/step_seconds": 1.0 + s, "outcome/win": s / 10} for s in range(1, 11)]  # fmt: skip
+        (out / "rl" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+        result = {
+            "args": {"out": str(out)}, "stages": {"sft": rl, "rl": rl},
+            "wall_seconds": {"pipeline": 900.0}, "checkpoints": {"rl": str(out / "rl")},
+            "machine": {"cuda": "NVIDIA H200", "platform": "linux"},
+        }  # fmt: skip
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    merged = ROUND.merge_round(tmp_path, {"a": "--seed 0", "b": "--seed 1"})
+    assert merged["runs"]["a"]["score"] == pytest.approx(0.5 + 0.8 - 0.3)
+    assert merged["runs"]["b"]["score"] == pytest.approx(0.9 + 0.7 - 0.1 - 0.02)
+    assert merged["best"] == "b" and merged["runs"]["b"]["rl_steps"] == 10
+    curve = merged["runs"]["a"]["curves"]["outcome/win"]
+    assert curve == {"first": 0.1, "third": 0.4, "two_thirds": 0.7, "last": 1.0}
+    assert "best: b" in ROUND.summary_table(merged)
+
+
+@pytest.mark.parametrize("bad", [["x"], ["=--seed 0"], ["../a=--seed 0"], ["a=1", "a=2"], []])
+def test_run_names_must_be_plain_words_given_once(bad):
+    with pytest.raises(SystemExit):
+        ROUND.parse_runs(bad)
