@@ -87,7 +87,10 @@ def config(
             f"micro_batch_size={micro_batch_size}", "save_every=0", f"device={device}",
             f"output_dir={output_dir}", "max_steps=1000000",
         ]  # fmt: skip
-        return load_config(RLConfig, recipe, overrides)
+        cfg = load_config(RLConfig, recipe, overrides)
+        if cfg.loss.beta > 0:  # the step below holds no reference model
+            raise SystemExit(f"--recipe {recipe}: beta = {cfg.loss.beta} needs a reference model")
+        return cfg
     settings = [
         f"model={model}", "env=tictactoe", f"batch_size={games}", "rollouts_per_example=8",
         "advantage=tree", "loss_aggregation=turn", f"micro_batch_size={micro_batch_size}",
