@@ -39,7 +39,7 @@ from typing import Any
 
 from rlcore.policy.base import ContextExceeded, Policy, PolicyError, StopRequested
 from rlcore.policy.kv_cache import DEFAULT_MAX_BYTES, PrefixCache, growing_cache, plain_layers
-from rlcore.policy.prompts import PrefixTokenizer, PromptRenderer
+from rlcore.policy.prompts import PrefixTokenizer, PromptRenderer, plain_fast_decode
 from rlcore.policy.static_decode import (
     DecodeRequest,
     StaticDecoder,
@@ -86,24 +86,6 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[int, float], N
         loop.call_soon_threadsafe(callback, token, logprob)
 
     return call
-
-
-def _plain_fast_decode(tokenizer) -> bool:
-    """Whether `tokenizer.decode(ids, skip_special_tokens=True)` is exactly its backend's
-    decode: a transformers fast tokenizer whose class keeps the stock decode and does not
-    clean up spaces afterwards."""
-    try:
-        from transformers import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers layout: decode one by one, as before
-        return False
-    kind = type(tokenizer)
-    return (
-        isinstance(tokenizer, TokenizersBackend)
-        and kind.decode is PreTrainedTokenizerBase.decode
-        and kind._decode is TokenizersBackend._decode
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-    )
 
 
 def resolve_device(device: str) -> str:
@@ -245,7 +227,7 @@ class LocalEngine(Policy):
         kept = max(8192, 4 * max_batch_size)
         self._renderer = PromptRenderer(self.tokenizer, max_entries=kept)
         self._prompt_tokenizer = PrefixTokenizer(self.tokenizer, max_entries=kept)
-        self._batch_decode = _plain_fast_decode(self.tokenizer)
+        self._batch_decode = plain_fast_decode(self.tokenizer)
         self._generation_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}

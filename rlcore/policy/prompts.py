@@ -106,22 +106,39 @@ def _cut_tokens(config: dict) -> list[str]:
     ]
 
 
-def plain_fast_encode(tokenizer) -> bool:
-    """Whether `tokenizer(texts, add_special_tokens=False)` is exactly its backend's
-    `encode_batch` (as long as `_backend_as_called` holds): a transformers fast tokenizer
-    whose class keeps the stock call and encoding, splitting no added token."""
+def _keeps_stock(tokenizer, base_methods: tuple[str, ...], backend_methods: tuple[str, ...]):
+    """Whether `tokenizer` is a transformers fast tokenizer (of this transformers' layout)
+    whose class keeps the named methods of `PreTrainedTokenizerBase` and of
+    `TokenizersBackend` as they are; False for anything else, another layout included."""
     try:
         from transformers import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers layout: its own call, as before
+    except ImportError:
         return False
     kind = type(tokenizer)
     return (
         isinstance(tokenizer, TokenizersBackend)
-        and kind.__call__ is PreTrainedTokenizerBase.__call__
-        and kind._encode_plus is TokenizersBackend._encode_plus
+        and all(getattr(kind, m) is getattr(PreTrainedTokenizerBase, m) for m in base_methods)
+        and all(getattr(kind, m) is getattr(TokenizersBackend, m) for m in backend_methods)
+    )
+
+
+def plain_fast_encode(tokenizer) -> bool:
+    """Whether `tokenizer(texts, add_special_tokens=False)` is exactly its backend's
+    `encode_batch` (as long as `_backend_as_called` holds): the stock call and encoding,
+    no added token split."""
+    return (
+        _keeps_stock(tokenizer, ("__call__",), ("_encode_plus",))
         and not getattr(tokenizer, "split_special_tokens", True)
         and hasattr(tokenizer.backend_tokenizer, "encode_batch_fast")
+    )
+
+
+def plain_fast_decode(tokenizer) -> bool:
+    """Whether `tokenizer.decode(ids, skip_special_tokens=True)` is exactly its backend's
+    decode: the stock decode, no clean-up of spaces afterwards."""
+    return _keeps_stock(tokenizer, ("decode",), ("_decode",)) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", True
     )
 
 
