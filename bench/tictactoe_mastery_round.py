@@ -139,8 +139,8 @@ def run_all(root: Path, common: str, runs: dict[str, str], part: int | None, spl
             command += ["--results", str(root / f"{name}.json")]
         else:
             command += ["--results", str(root / f"{name}.json")]
-        log = (root / f"{name}.log").open("a")
-        processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        with (root / f"{name}.log").open("a") as log:  # the child keeps its own copy
+            processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     return {name: process.wait() for name, process in processes.items()}
 
 
