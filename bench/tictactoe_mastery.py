@@ -278,12 +278,6 @@ def main(argv: list[str] | None = None) -> int:
         "right (needs --rl-turn-reward-weight)",
     )
     parser.add_argument(
-        "--rl-move-reward-needs-format",
-        action="store_true",
-        help="env param move_reward_needs_format: the per-move reward pays a sound move only "
-        "in a well-formed reply",
-    )
-    parser.add_argument(
         "--rl-self-play",
         type=float,
         default=0.0,
@@ -382,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
                 "loss_reward": args.rl_loss_reward,
                 "think_reward": args.rl_think_reward,
                 "self_play": args.rl_self_play,
-                "move_reward_needs_format": args.rl_move_reward_needs_format,
             },
             output_dir=str(out / "rl"),
             max_steps=args.rl_max_steps,

@@ -96,7 +96,6 @@ def test_registry_builds_the_env_with_defaults():
         "loss_reward": 0.0,
         "reasoning": "empty",
         "think_reward": 0.0,
-        "move_reward_needs_format": False,
         "self_play": 0.0,
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
@@ -452,25 +451,6 @@ async def test_think_reward_adds_to_the_turn_reward_of_a_reply_that_reads_the_bo
     rest = len(rewards[0.0]) - 2
     assert rewards[0.0] == [1.0, 0.0] + [1.0] * rest
     assert rewards[0.5] == [1.0, 0.5] + [1.5] * rest
-
-
-async def test_move_reward_needs_format_pays_a_sound_move_only_in_a_well_formed_reply():
-    # The centre of the empty board (sound) without the think opening, then the oracle.
-    short = "4.</think><move>4</move>"
-    rewards = {}
-    for needs in (False, True):
-        env = TicTacToeEnv(model_mark="X", max_turns=30, move_reward_needs_format=needs)
-        example = first_example(env, model_starts=True)
-        rollout = await env.rollout(ScriptedPolicy([short], then=OraclePolicy()), example, SAMPLING)
-        assert rollout.state["move_sound"][0] is True
-        assert rollout.state["well_formed"][0] is False and all(rollout.state["well_formed"][1:])
-        rewards[needs] = env.turn_rewards(rollout)
-    rest = len(rewards[False]) - 1
-    assert rewards[False] == [1.0] + [1.0] * rest
-    assert rewards[True] == [0.0] + [1.0] * rest
-    # A rollout stored before the form record keeps paying its sound moves.
-    del rollout.state["well_formed"]
-    assert env.turn_rewards(rollout) == rewards[False]
 
 
 class _Switch(Policy):

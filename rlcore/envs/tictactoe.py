@@ -139,8 +139,6 @@ def game_state(
         "move_sound": [],
         # Per model reply: whether its think block read the board right (`think_text`).
         "think_correct": [],
-        # Per model reply: whether it was exactly a think block then a move tag.
-        "well_formed": [],
         "reasoning": reasoning,
         "invalid_moves": 0,
         "model_turns": 0,
@@ -156,7 +154,6 @@ def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]
     board = state["board"]
     expected = think_text(board, state["model_mark"], state["reasoning"])
     state["think_correct"].append(think_parser.think(reply) == expected)
-    state.setdefault("well_formed", []).append(is_well_formatted(reply))
     cell, error = parse_move(reply, board)
     if error is not None:
         state["invalid_moves"] += 1
@@ -312,14 +309,6 @@ class TicTacToeEnv(MultiTurnEnv):
             "one by one also keeps the reasoning true.",
             min=0.0,
             max=10.0,
-        ),
-        Param(
-            "move_reward_needs_format",
-            bool,
-            False,
-            "The per-turn reward (`turn_rewards`) pays a sound move only in a well-formed "
-            "reply (exactly a think block then a move tag), so RL that credits moves one by "
-            "one does not pay a reply that drops part of its form.",
         ),
         Param(
             "self_play",
@@ -572,8 +561,7 @@ class TicTacToeEnv(MultiTurnEnv):
 
     def turn_rewards(self, rollout: Rollout) -> list[float] | None:
         """For each reply: 1 if its move kept the game-theoretic value (`sound_moves`), 0
-        if it gave some away or was invalid (or, with `move_reward_needs_format`, if the
-        reply was not well-formed), plus `think_reward` if its think block read
+        if it gave some away or was invalid, plus `think_reward` if its think block read
         the board right. A per-move reward the env verifies with its own solver, for
         trainers that credit moves one by one (RL's `turn_reward_weight`). None when the
         rollout has no such record."""
@@ -584,14 +572,9 @@ class TicTacToeEnv(MultiTurnEnv):
         thinks = rollout.state.get("think_correct")
         if not isinstance(thinks, list) or len(thinks) != len(sound):
             thinks = [False] * len(sound)  # a rollout stored before the think record
-        formed = rollout.state.get("well_formed")
-        if not self.config["move_reward_needs_format"]:
-            formed = [True] * len(sound)
-        elif not isinstance(formed, list) or len(formed) != len(sound):
-            formed = [True] * len(sound)  # a rollout stored before the form record
         return [
-            (1.0 if s is True and f else 0.0) + (bonus if t else 0.0)
-            for s, t, f in zip(sound, thinks, formed, strict=True)
+            (1.0 if s is True else 0.0) + (bonus if t else 0.0)
+            for s, t in zip(sound, thinks, strict=True)
         ]
 
     def move_options(self, rollout: Rollout, turn: int, reply: str) -> MoveOptions | None:
