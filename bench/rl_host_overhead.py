@@ -12,7 +12,8 @@ that runs the model) returns 64 token ids drawn from the vocabulary, seeded by t
 prompt's ids, different for each rollout of a group, as an untrained model's replies are
 (every reply an invalid move, so every game runs its 6 turns). What remains is host work: rendering and tokenizing the turn
 prompts, the engine's per-request bookkeeping, decoding replies, playing and scoring the
-games, building the sequences.
+games, building the sequences; and, timed apart (`collate`), the update's host side: every
+sequence collated into micro-batches of 32 on the CPU.
 
 Each timed step reports wall seconds of the rollout (less the stand-in's own time) and
 of the scoring, medians of `--repeats` steps after one untimed; one more step runs under
@@ -156,7 +157,7 @@ class Harness:
         from rlcore.rollout import run_rollouts
         from rlcore.train import grpo
         from rlcore.train.grpo import loss_normalizer, step_advantages
-        from rlcore.train.sequences import micro_batches, training_sequences
+        from rlcore.train.sequences import collate, micro_batches, training_sequences
         from rlcore.types import SamplingParams
 
         cfg = self.cfg
@@ -185,7 +186,17 @@ class Harness:
             loss_normalizer(sequences, cfg.loss, REPLY_TOKENS)
         micro_batches([s for s in sequences if any(s.advantages)], 128)
         scored, scored_cpu = time.perf_counter(), time.process_time()
+        # The update's host side: every sequence collated into the mastery runs'
+        # micro-batches of 32 (as a step that trains on all of them would).
+        batches = [
+            collate(chunk, self.engine.tokenizer.pad_token_id, "cpu")
+            for chunk in micro_batches(sequences, 32)
+        ]
+        collated, collated_cpu = time.perf_counter(), time.process_time()
         digest = hashlib.sha256()
+        for batch in batches:
+            for tensor in batch:
+                digest.update(tensor.numpy().tobytes())
         for rollout in rollouts:
             digest.update(json.dumps([rollout.messages, rollout.reward, rollout.facts]).encode())
             for turn in rollout.turns:
@@ -207,6 +218,8 @@ class Harness:
             "scoring": scored - rolled,
         }
         seconds["host"] = seconds["rollout"] + seconds["scoring"]
+        seconds["collate"] = collated - scored
+        seconds["collate cpu"] = collated_cpu - scored_cpu
         # CPU seconds of the process (all its threads): what other processes' load on the
         # same cores disturbs least.
         seconds["host cpu"] = scored_cpu - started_cpu - (self.stand_in_cpu_seconds - stand_in_cpu)
@@ -344,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "host",
                 "of which gc",
                 "host cpu",
+                "collate",
+                "collate cpu",
                 "prompts",
                 "sequences",
                 "prompt_tokens",
@@ -354,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"garbage collector threshold: {gc.get_threshold()[0]}")
     names = list(sides)
     print(f"{'':<34}" + "".join(f"{name:>12}" for name in names))
-    for key in ("rollout", "scoring", "host", "of which gc", "host cpu"):
+    for key in ("rollout", "scoring", "host", "of which gc", "host cpu", "collate", "collate cpu"):
         print(f"{key + ' s':<34}" + "".join(f"{summaries[n][key]:>12.3f}" for n in names))
     for part, _ in PARTS:
         print(

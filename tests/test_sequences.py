@@ -85,3 +85,47 @@ def test_sequences_are_the_token_by_token_definition(aggregation, with_think):
             (s.input_ids, s.weights, s.advantages, s.sampled_logprobs, s.turns) for s in built
         ] == [e[:5] for e in expected]
         assert build_sequences(rollout) == [(e[0], e[5]) for e in expected]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_collate_is_the_row_by_row_padding_bit_for_bit(seed):
+    """The micro-batch tensors from two host arrays are the ones built a tensor per row and
+    padded: ids, mask, weights and advantages (targets start at the second token)."""
+    import torch
+
+    from rlcore.train.sequences import TrainingSequence, collate, target_rows
+
+    rng = random.Random(seed)
+    chunk = []
+    for _ in range(rng.randint(1, 12)):
+        n = rng.randint(1, 40)
+        chunk.append(
+            TrainingSequence(
+                input_ids=[rng.randint(0, 500) for _ in range(n)],
+                weights=[rng.choice([0.0, 1 / rng.randint(1, 9)]) for _ in range(n)],
+                advantages=[rng.uniform(-3, 3) for _ in range(n)],
+                sampled_logprobs=None,
+            )
+        )
+    input_ids, mask, weights, advantages = collate(chunk, 7, "cpu")
+    width = max(len(s.input_ids) for s in chunk)
+    expected_ids = torch.tensor([s.input_ids + [7] * (width - len(s.input_ids)) for s in chunk])
+    expected_mask = torch.tensor([[1] * len(s.input_ids) + [0] * (width - len(s.input_ids))
+                                  for s in chunk])  # fmt: skip
+
+    def rows(values):
+        return torch.stack(
+            [
+                torch.nn.functional.pad(
+                    torch.tensor(v[1:], dtype=torch.float32), (0, width - len(v))
+                )
+                for v in values
+            ]
+        )
+
+    assert input_ids.dtype == mask.dtype == torch.long
+    assert torch.equal(input_ids, expected_ids) and torch.equal(mask, expected_mask)
+    assert weights.dtype == advantages.dtype == torch.float32
+    assert torch.equal(weights, rows([s.weights for s in chunk]))
+    assert torch.equal(advantages, rows([s.advantages for s in chunk]))
+    assert torch.equal(target_rows([s.advantages for s in chunk], width - 1, "cpu"), advantages)

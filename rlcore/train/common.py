@@ -125,7 +125,18 @@ def clip_gradients(model, max_norm: float) -> torch.Tensor:
 def pad_batch(sequences: list[list[int]], pad_value: int, multiple: int = 1) -> torch.Tensor:
     """The sequences right-padded with `pad_value` to the longest, rounded up to `multiple`."""
     width = -(-max(len(s) for s in sequences) // multiple) * multiple
-    return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
+    return torch.from_numpy(padded_rows(sequences, width, np.int64, pad_value))
+
+
+def padded_rows(values: list[list], width: int, dtype, fill, skip: int = 0) -> np.ndarray:
+    """Each list from index `skip` on as one row of a (len(values), width) array of `dtype`,
+    right-padded with `fill`: one array filled a row at a time, where a tensor a row and a
+    pad each cost a batch of 256 sequences tens of milliseconds of host time."""
+    rows = np.full((len(values), width), fill, dtype=dtype)
+    for row, value in enumerate(values):
+        if len(value) > skip:
+            rows[row, : len(value) - skip] = value[skip:]
+    return rows
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from rlcore.train.common import pad_batch
+from rlcore.train.common import padded_rows
 from rlcore.types import Rollout
 
 # Training batches on a GPU are padded to a multiple of this many tokens (see `collate`).
@@ -181,23 +182,34 @@ def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[Tra
 
 def collate(chunk: list[TrainingSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
     """Right-padded input ids, attention mask, and the per-target weights and advantages
-    (the first token is never predicted, so they start at the second)."""
+    (the first token is never predicted, so they start at the second). Built in two host
+    arrays (ids with mask, weights with advantages), so two copies reach the device."""
     # On a GPU every new batch shape pays once for its kernels' set-up (attention plans,
     # allocator blocks); widths in steps of GPU_WIDTH_STEP repeat from step to step.
     multiple = GPU_WIDTH_STEP if torch.device(device).type == "cuda" else 1
-    input_ids = to_device(pad_batch([s.input_ids for s in chunk], pad_id, multiple), device)
-    attention_mask = to_device(
-        pad_batch([[1] * len(s.input_ids) for s in chunk], 0, multiple), device
+    lengths = np.array([len(s.input_ids) for s in chunk])
+    width = -(-int(lengths.max()) // multiple) * multiple
+    tokens = np.stack(
+        [
+            padded_rows([s.input_ids for s in chunk], width, np.int64, pad_id),
+            np.arange(width)[None] < lengths[:, None],
+        ]
     )
-    width = input_ids.shape[1] - 1
-    weights = target_rows([s.weights for s in chunk], width, device)
-    advantages = target_rows([s.advantages for s in chunk], width, device)
+    targets = np.stack(
+        [
+            padded_rows([s.weights for s in chunk], width - 1, np.float32, 0.0, skip=1),
+            padded_rows([s.advantages for s in chunk], width - 1, np.float32, 0.0, skip=1),
+        ]
+    )
+    input_ids, attention_mask = to_device(torch.from_numpy(tokens), device)
+    weights, advantages = to_device(torch.from_numpy(targets), device)
     return input_ids, attention_mask, weights, advantages
 
 
 def target_rows(values: list[list[float]], width: int, device) -> torch.Tensor:
     """Per-token values of each sequence aligned with the targets, right-padded with 0."""
-    return padded([torch.tensor(v[1:], dtype=torch.float32) for v in values], width, device)
+    rows = padded_rows(values, width, np.float32, 0.0, skip=1)
+    return to_device(torch.from_numpy(rows), device)
 
 
 def padded(tensors: list[torch.Tensor], width: int, device) -> torch.Tensor:
@@ -217,13 +229,11 @@ def move_set_rows(chunk: list[TrainingSequence], device) -> tuple[torch.Tensor, 
     """A micro-batch's judged moves (`TrainingSequence.move_sets`) as tensors: the row and
     target index of each, and its best moves' token ids right-padded with -1; None when
     the chunk has none."""
-    found = [(row, at, ids) for row, s in enumerate(chunk) for at, ids in s.move_sets]
+    found = [[row, at, *ids] for row, s in enumerate(chunk) for at, ids in s.move_sets]
     if not found:
         return None
-    width = max(len(ids) for _, _, ids in found)
-    members = torch.full((len(found), width), -1, dtype=torch.long)
-    for index, (_, _, ids) in enumerate(found):
-        members[index, : len(ids)] = torch.tensor(ids)
-    rows = torch.tensor([row for row, _, _ in found])
-    targets = torch.tensor([at for _, at, _ in found])
-    return to_device(rows, device), to_device(targets, device), to_device(members, device)
+    # One host array, one copy: row, target index, then the ids padded with -1.
+    table = to_device(
+        torch.from_numpy(padded_rows(found, max(map(len, found)), np.int64, -1)), device
+    )
+    return table[:, 0], table[:, 1], table[:, 2:]
