@@ -304,13 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument(
-        "--merges",
-        type=int,
-        default=0,
-        help="the tiny model's tokenizer with up to this many byte-pair merges learned on "
-        "tic-tac-toe games (about half the tokens a game; 0: one token a character)",
-    )
     parser.add_argument("--skip-base", action="store_true", help="do not evaluate the base model")
     parser.add_argument(
         "--quick",
@@ -334,9 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if partial is None:
         times: dict[str, float] = {}
         checkpoints: dict[str, str] = {}
-        base = ensure_tiny_model(
-            hidden_size=args.hidden_size, num_layers=args.num_layers, merges=args.merges
-        )
+        base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)
         checkpoints["base"] = base
 
         # 2. Teacher data from the random-valid player; losses and unfinished games dropped.
