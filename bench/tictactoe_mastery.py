@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reasoning",
         default="empty",
-        choices=["empty", "threats"],
+        choices=["empty", "threats", "none"],
         help="the teacher's think block (env param `reasoning`): the empty cells, or also "
-        "the cells that win and those that block; the teacher's moves stay random",
+        "the cells that win and those that block, or nothing (`<think></think>`); the "
+        "teacher's moves stay random",
     )
     parser.add_argument("--sft-epochs", type=int, default=40)
     parser.add_argument("--sft-lr", type=float, default=2e-3, help="SFT peak learning rate")

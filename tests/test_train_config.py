@@ -179,6 +179,9 @@ def test_the_tictactoe_tiny_recipes_load(name, cls):
         assert cfg.env_args["min_random_move_prob"] < cfg.env_args["max_random_move_prob"]
     if name == "sft":
         assert cfg.dataset.startswith(load_config(SynthConfig, RECIPES / "synth.toml").output_dir)
+    if name != "sft":  # the games SFT learns from and every later stage: one reply form
+        synth = load_config(SynthConfig, RECIPES / "synth.toml")
+        assert cfg.env_args["reasoning"] == synth.env_args["reasoning"] == "none"  # round 53
 
 
 def test_the_cli_runs_synth_from_a_recipe_and_reports_bad_overrides(tmp_path, capsys):
