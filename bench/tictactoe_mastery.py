@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from rlcore.envs.tictactoe_game import REASONING_FORMATS  # noqa: E402
 from rlcore.evaluate import EvalConfig, run_eval  # noqa: E402
 from rlcore.events import ConsoleSink  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reasoning",
         default="empty",
-        choices=["empty", "threats", "none"],
+        choices=REASONING_FORMATS,
         help="the teacher's think block (env param `reasoning`): the empty cells, or also "
         "the cells that win and those that block, or nothing (`<think></think>`); the "
         "teacher's moves stay random",
