@@ -271,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rl-iterations", type=int, default=1, help="clipped updates per batch of rollouts"
     )
+    parser.add_argument(
+        "--rl-micro-batch",
+        type=int,
+        default=32,
+        help="sequences per RL forward/backward pass (the same gradient; larger is faster on a GPU)",
+    )
     parser.add_argument("--rl-draw-reward", type=float, default=0.5)
     parser.add_argument(
         "--rl-think-reward",
@@ -397,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             adam_eps=args.rl_adam_eps,
             temperature=args.rl_temperature,
             max_tokens=args.max_tokens,
-            micro_batch_size=32,
+            micro_batch_size=args.rl_micro_batch,
             save_every=0,
             device=args.device,
         ),
