@@ -37,6 +37,7 @@ from tictactoe_mastery import (  # noqa: E402
     warm_up,
 )
 
+from rlcore.envs.tictactoe_game import REASONING_FORMATS  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--reasoning", default="empty", choices=["empty", "threats"])
+    parser.add_argument("--reasoning", default="empty", choices=REASONING_FORMATS)
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument("--eval-concurrency", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
