@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="think_mass_weight: at every think block the env reads (--reasoning threats or "
-        "empty), this weight x its mean -log probability of the env's reading (0: off)",
+        "empty), this weight x -log probability of each token of the env's reading (0: off)",
     )
     parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"

@@ -238,15 +238,13 @@ def test_each_think_block_is_judged_up_to_where_the_reply_parts_from_the_reading
     assert judged == sum(len(r.turns) for r in rollouts)
     for sequence in sequences:
         starts = {start - 1 for start in sequence.turn_starts.values()}
-        blocks, current = [], None
-        for at, token, share in sequence.think_sets:
+        blocks: list[list[tuple[int, int]]] = []
+        for at, token in sequence.think_sets:
             if at in starts:
-                current = []
-                blocks.append((current, share))
-            current.append((at, token))
+                blocks.append([])
+            blocks[-1].append((at, token))
         assert len(blocks) == len(sequence.turn_starts)
-        for entries, share in blocks:
-            assert share == pytest.approx(1 / len(entries))
+        for entries in blocks:
             agreed = [sequence.input_ids[at + 1] == token for at, token in entries]
             # Every token before the last agrees; the last is the first disagreement or the
             # block's end.
@@ -258,31 +256,32 @@ def test_each_think_block_is_judged_up_to_where_the_reply_parts_from_the_reading
                 assert tokenizer.decode(sequence.input_ids[entries[-1][0] + 1]) == "9"
 
 
-def test_the_loss_weighs_a_think_block_as_one_move(read, tiny_model):
+def test_the_loss_weighs_each_think_token_as_one_move(read, tiny_model):
     """The judged tokens' log-probabilities come from the model's own logits, and the term
-    is the weight times each block's mean -log P, moves beside them at theirs."""
+    is the think weight times each token's -log P, moves beside them at theirs."""
     _, tokenizer, _, sequences, _ = read
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     chunk = sequences[:4]
+    for sequence in chunk[:2]:  # a judged move too, at the sound mass's own weight
+        sequence.move_sets.append((len(sequence.input_ids) - 3, [7, 9]))
     input_ids, attention, *_ = collate(chunk, tokenizer.pad_token_id, "cpu")
     sets = move_set_rows(chunk, "cpu")
     with torch.no_grad():
         _, _, best = token_logprobs(model, input_ids, attention, 1.0, move_sets=sets)
-    expected, shares = [], []
+    moves, thinks = [], []
     for sequence in chunk:
         with torch.no_grad():
-            logits = model(torch.tensor([sequence.input_ids])).logits[0]
-        for at, token, share in sequence.think_sets:
-            expected.append(torch.log_softmax(logits[at], -1)[token])
-            shares.append(share)
-    assert len(expected) == len(best) > 20
-    assert torch.allclose(best, torch.stack(expected), atol=1e-4)
+            logprobs = torch.log_softmax(model(torch.tensor([sequence.input_ids])).logits[0], -1)
+        moves += [logprobs[at, ids].exp().sum().log() for at, ids in sequence.move_sets]
+        thinks += [logprobs[at, token] for at, token in sequence.think_sets]
+    for sequence in chunk[:2]:
+        sequence.move_sets.clear()
+    assert len(moves) == 2 and len(thinks) > 20 and len(best) == len(moves) + len(thinks)
+    assert torch.allclose(best, torch.stack(moves + thinks), atol=1e-4)
     cfg = build_config(RLConfig, [("test", {"think_mass_weight": 2.0, "sound_mass_weight": 5.0})])
     loss, stats = judged_mass_loss(best, sets[3], cfg, 10.0)
-    blocks = sum(shares)  # each block's shares add up to one
-    assert stats["think_judged"] == len(expected) and stats["judged"] == 0
-    assert blocks == pytest.approx(sum(len(s.turn_starts) for s in chunk))
-    manual = -2.0 * sum(s * e for s, e in zip(shares, expected, strict=True)) / 10.0
+    assert stats["think_judged"] == len(thinks) and stats["judged"] == 2
+    manual = -(5.0 * sum(moves) + 2.0 * sum(thinks)) / 10.0
     assert loss.item() == pytest.approx(manual.item(), rel=1e-5)
 
 

@@ -334,8 +334,8 @@ class RLConfig:
     (Environment.move_options; see rlcore/train/sound_mass.py). 0: off"""
     think_mass_weight: float = 0.0
     """where the env reads a turn's think block right or wrong (tic-tac-toe's `threats`
-    reasoning), the loss adds this weight times the block's mean -log probability of the
-    env's tokens, through the first token where the reply parts from them
+    reasoning), the loss adds this weight times -log of the policy's probability of each of
+    the env's tokens, through the first token where the reply parts from them
     (Environment.think_target; see rlcore/train/sound_mass.py). 0: off"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""

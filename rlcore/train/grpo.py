@@ -357,23 +357,22 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     return _sampling_metrics(sums.to_host())
 
 
-def judged_mass_loss(best: torch.Tensor, shares: torch.Tensor | None, cfg: RLConfig, normalizer):
+def judged_mass_loss(best: torch.Tensor, is_think: torch.Tensor | None, cfg: RLConfig, normalizer):
     """The sound mass and think mass terms of a micro-batch (sound_mass.py): `best` holds
     log P(best options) of each judged move, then log P(the env's next token) of each judged
-    think token, `shares` each think token's share of its block (0 for a move; None when
-    there is no think token). A move counts `sound_mass_weight`, a think block
-    `think_mass_weight` over its judged tokens. Returns (loss, its on-device sums)."""
-    if shares is None:
+    think token, `is_think` 1 for a think token and 0 for a move (None when there is no
+    think token). A move counts `sound_mass_weight`, a think token `think_mass_weight`.
+    Returns (loss, its on-device sums)."""
+    if is_think is None:
         weight, moves = best.new_tensor(cfg.sound_mass_weight), torch.ones_like(best)
     else:
-        moves = (shares == 0).to(best.dtype)
-        weight = moves * cfg.sound_mass_weight + shares * cfg.think_mass_weight
+        moves = 1 - is_think
+        weight = moves * cfg.sound_mass_weight + is_think * cfg.think_mass_weight
     loss = -(weight * best).sum() / max(normalizer, 1e-8)
     mass = best.detach().exp()
     stats = {"best_mass": (mass * moves).sum(), "judged": moves.sum()}
-    if shares is not None:
-        thinks = 1 - moves
-        stats |= {"think_mass": (mass * thinks).sum(), "think_judged": thinks.sum()}
+    if is_think is not None:
+        stats |= {"think_mass": (mass * is_think).sum(), "think_judged": is_think.sum()}
     return loss, stats
 
 

@@ -38,8 +38,8 @@ class TrainingSequence:
     # token ids of the moves the env judged best there).
     move_sets: list[tuple[int, list[int]]] = field(default_factory=list)
     # Judged think-block tokens (sound_mass.attach_think_sets): (the target index, the id of
-    # the token the env's reading puts next, that token's share of its think block).
-    think_sets: list[tuple[int, int, float]] = field(default_factory=list)
+    # the token the env's reading puts next).
+    think_sets: list[tuple[int, int]] = field(default_factory=list)
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
 
@@ -231,11 +231,10 @@ def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
 def move_set_rows(chunk: list[TrainingSequence], device) -> tuple[torch.Tensor, ...] | None:
     """A micro-batch's judged moves and think tokens (`TrainingSequence.move_sets`, then
     `think_sets`) as tensors: the row and target index of each, its best options' token ids
-    right-padded with -1 (a think token's one id), and its share: 0 for a move, else the
-    think token's share of its block (None when there is no think token). None when the
-    chunk has neither."""
+    right-padded with -1 (a think token's one id), and 1.0 for a think token, 0.0 for a move
+    (None when there is no think token). None when the chunk has neither."""
     found = [[row, at, *ids] for row, s in enumerate(chunk) for at, ids in s.move_sets]
-    thinks = [[row, at, token] for row, s in enumerate(chunk) for at, token, _ in s.think_sets]
+    thinks = [[row, at, token] for row, s in enumerate(chunk) for at, token in s.think_sets]
     if not found and not thinks:
         return None
     # One host array, one copy: row, target index, then the ids padded with -1.
@@ -243,7 +242,7 @@ def move_set_rows(chunk: list[TrainingSequence], device) -> tuple[torch.Tensor, 
     table = to_device(
         torch.from_numpy(padded_rows(rows, max(map(len, rows)), np.int64, -1)), device
     )
-    if not thinks:  # the sound mass alone: no shares to copy
+    if not thinks:  # the sound mass alone: nothing more to copy
         return table[:, 0], table[:, 1], table[:, 2:], None
-    shares = [0.0] * len(found) + [share for s in chunk for *_, share in s.think_sets]
-    return table[:, 0], table[:, 1], table[:, 2:], to_device(torch.tensor(shares), device)
+    is_think = torch.cat([torch.zeros(len(found)), torch.ones(len(thinks))])
+    return table[:, 0], table[:, 1], table[:, 2:], to_device(is_think, device)

@@ -20,7 +20,7 @@ The think mass does the same for a think block the env can read right or wrong
 (`Environment.think_target`: tic-tac-toe's `threats` reading names the cells that win and
 those that must be blocked, facts of the board and never the choice): at each of the block's
 tokens, up to the first where the reply went its own way, -log of the policy's probability of
-the env's token, averaged over the block, weighed by `think_mass_weight`. Off the policy loss
+the env's token, each weighed by `think_mass_weight`. Off the policy loss
 (`train_think = false`) a think block is otherwise held by nothing (docs/mastery.md, the
 merges run); this holds it to the board.
 """
@@ -80,9 +80,10 @@ def attach_think_sets(
     the env reads (`Environment.think_target`), each token of the env's block in turn, as
     long as the reply's own tokens agree with it, and the first where they part (where the
     reply went wrong, the right token is trained up; after it the reply's context is no
-    longer the env's block, so nothing is). Each carries the share 1 / (its turn's judged
-    tokens), so that a think block weighs as one move does. Returns how many turns were
-    judged. `encoded` caches each target's token ids across calls."""
+    longer the env's block, so nothing is). Each token weighs as one judged move does; one
+    the policy is already sure of adds next to no gradient, so the push lands where the
+    reading is uncertain or wrong, as SFT's would. Returns how many turns were judged.
+    `encoded` caches each target's token ids across calls."""
     judged = 0
     for index, turn in enumerate(rollout.turns):
         target = env.think_target(rollout, index)
@@ -99,7 +100,7 @@ def attach_think_sets(
             continue
         start = sequence.turn_starts[index]
         for at in range(count):
-            sequence.think_sets.append((start + at - 1, ids[at], 1.0 / count))
+            sequence.think_sets.append((start + at - 1, ids[at]))
         judged += 1
     return judged
 
