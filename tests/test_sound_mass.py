@@ -20,6 +20,18 @@ from rlcore.train.sound_mass import attach_move_sets, attach_think_sets
 from rlcore.types import Generation, SamplingParams
 
 
+def scripted(tokenizer, messages, text: str) -> Generation:
+    """The reply `text` to `messages` with the token ids the tiny model's tokenizer gives."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    completion = tokenizer.encode(text, add_special_tokens=False)
+    completion.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return Generation(
+        text=text,
+        prompt_ids=tokenizer.encode(prompt, add_special_tokens=False),
+        completion_ids=completion,
+    )
+
+
 class FirstCellPlayer(Policy):
     """Plays the first empty cell, sound or not, in a well-formed reply, with the token
     ids the tiny model's tokenizer gives."""
@@ -32,16 +44,7 @@ class FirstCellPlayer(Policy):
     async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
         cell = empty_cells(state["board"])[0]
         text = f"<think>first</think><move>{cell}</move>"
-        prompt = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        completion = self.tokenizer.encode(text, add_special_tokens=False)
-        completion.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        return Generation(
-            text=text,
-            prompt_ids=self.tokenizer.encode(prompt, add_special_tokens=False),
-            completion_ids=completion,
-        )
+        return scripted(self.tokenizer, messages, text)
 
 
 @pytest.fixture(scope="module")
@@ -184,16 +187,7 @@ class ReadingPlayer(Policy):
         if state["model_turns"] % 2:
             reading = reading.replace("Win: ", "Win: 9 ")
         text = f"<think>{reading}</think><move>{empty_cells(board)[0]}</move>"
-        prompt = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        completion = self.tokenizer.encode(text, add_special_tokens=False)
-        completion.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        return Generation(
-            text=text,
-            prompt_ids=self.tokenizer.encode(prompt, add_special_tokens=False),
-            completion_ids=completion,
-        )
+        return scripted(self.tokenizer, messages, text)
 
 
 @pytest.fixture(scope="module")
