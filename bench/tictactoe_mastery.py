@@ -266,13 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         "probability of the position's sound moves, every legal move judged (0: off)",
     )
     parser.add_argument(
-        "--rl-think-mass",
-        type=float,
-        default=0.0,
-        help="think_mass_weight: at every think block the env reads (--reasoning threats or "
-        "empty), this weight x -log probability of each token of the env's reading (0: off)",
-    )
-    parser.add_argument(
         "--rl-beta", type=float, default=0.0, help="KL penalty to the SFT model (0: none)"
     )
     parser.add_argument(
@@ -401,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
             advantage=args.rl_advantage,
             turn_reward_weight=args.rl_turn_reward_weight,
             sound_mass_weight=args.rl_sound_mass,
-            think_mass_weight=args.rl_think_mass,
             train_think=not args.rl_no_think_loss,
             beta=args.rl_beta,
             num_iterations=args.rl_iterations,
@@ -425,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
                 "tictactoe/sound_move_rate",
                 "tictactoe/think_correct_rate",
                 "sound_mass/mean",
-                "think_mass/mean",
             ],
             out / "rl" / "metrics.jsonl",
             append=partial is not None,

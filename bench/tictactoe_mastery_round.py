@@ -36,7 +36,6 @@ BENCH = HERE / "tictactoe_mastery.py"
 CURVE_KEYS = (
     "tictactoe/sound_move_rate",
     "sound_mass/mean",
-    "think_mass/mean",
     "tictactoe/think_correct_rate",
     "tictactoe/invalid_move_rate",
     "tictactoe/format_rate",

@@ -9,27 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.envs.registry import load_environment
-from rlcore.envs.tictactoe_game import empty_cells, sound_moves, think_text
+from rlcore.envs.tictactoe_game import empty_cells, sound_moves
 from rlcore.events import RecordingSink
 from rlcore.policy.base import Policy
 from rlcore.rollout import run_rollouts
 from rlcore.train.config import RLConfig, build_config
-from rlcore.train.grpo import judged_mass_loss, run_rl, token_logprobs
+from rlcore.train.grpo import run_rl, token_logprobs
 from rlcore.train.sequences import collate, move_set_rows, training_sequences
-from rlcore.train.sound_mass import attach_move_sets, attach_think_sets
+from rlcore.train.sound_mass import attach_move_sets
 from rlcore.types import Generation, SamplingParams
-
-
-def scripted(tokenizer, messages, text: str) -> Generation:
-    """The reply `text` to `messages` with the token ids the tiny model's tokenizer gives."""
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    completion = tokenizer.encode(text, add_special_tokens=False)
-    completion.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    return Generation(
-        text=text,
-        prompt_ids=tokenizer.encode(prompt, add_special_tokens=False),
-        completion_ids=completion,
-    )
 
 
 class FirstCellPlayer(Policy):
@@ -44,7 +32,16 @@ class FirstCellPlayer(Policy):
     async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
         cell = empty_cells(state["board"])[0]
         text = f"<think>first</think><move>{cell}</move>"
-        return scripted(self.tokenizer, messages, text)
+        prompt = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        completion = self.tokenizer.encode(text, add_special_tokens=False)
+        completion.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        return Generation(
+            text=text,
+            prompt_ids=self.tokenizer.encode(prompt, add_special_tokens=False),
+            completion_ids=completion,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -165,137 +162,4 @@ def test_rl_with_sound_mass_reports_it_and_refuses_envs_without_verdicts(tmp_pat
     assert metrics["loss/total"] > metrics["loss/policy"]
     refused = build_config(RLConfig, [("test", {**values, "env": "reverse_text"})])
     with pytest.raises(ValueError, match="sound_mass_weight=1.0 needs an env that judges"):
-        run_rl(refused, RecordingSink())
-
-
-# ---------------------------------------------------------------------------------------
-# The think mass: the env's reading of the board, token by token.
-
-
-class ReadingPlayer(Policy):
-    """Plays the first empty cell with a `threats` think block: the env's own reading on
-    even turns, on odd turns the same with its 'Win:' part replaced by a wrong cell list."""
-
-    name = "reading"
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    async def generate(self, messages, sampling, *, tools=None, state=None) -> Generation:
-        board, mark = state["board"], state["model_mark"]
-        reading = think_text(board, mark, "threats")
-        if state["model_turns"] % 2:
-            reading = reading.replace("Win: ", "Win: 9 ")
-        text = f"<think>{reading}</think><move>{empty_cells(board)[0]}</move>"
-        return scripted(self.tokenizer, messages, text)
-
-
-@pytest.fixture(scope="module")
-def read(tiny_model):
-    env = load_environment("tictactoe", max_turns=4, num_groups=2, reasoning="threats")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    rollouts = asyncio.run(
-        run_rollouts(
-            env, ReadingPlayer(tokenizer), env.examples(8, seed=3), sampling=SamplingParams()
-        )
-    )
-    sequences, judged = [], 0
-    for rollout in rollouts:
-        built = training_sequences(rollout, [0.0] * len(rollout.turns), "turn")
-        judged += attach_think_sets(env, rollout, built, tokenizer, {})
-        sequences += built
-    return env, tokenizer, rollouts, sequences, judged
-
-
-def test_the_env_names_the_think_block_it_counts_right(read):
-    env, tokenizer, rollouts, _, _ = read
-    right = wrong = 0
-    for rollout in rollouts:
-        for index, turn in enumerate(rollout.turns):
-            target = env.think_target(rollout, index)
-            reply = tokenizer.decode(turn.completion_ids).replace("<|im_end|>", "")
-            board = turn.state_key.split("/")[0]
-            assert (
-                target
-                == f"<think>{think_text(board, rollout.state['model_mark'], 'threats')}</think>"
-            )
-            # The env's own record of the reply agrees: right exactly when it is the target.
-            assert rollout.state["think_correct"][index] == reply.startswith(target)
-            right += reply.startswith(target)
-            wrong += not reply.startswith(target)
-    assert right >= 4 and wrong >= 4
-    assert env.think_target(rollouts[0], len(rollouts[0].turns)) is None  # no such turn
-
-
-def test_each_think_block_is_judged_up_to_where_the_reply_parts_from_the_reading(read):
-    env, tokenizer, rollouts, sequences, judged = read
-    assert judged == sum(len(r.turns) for r in rollouts)
-    for sequence in sequences:
-        starts = {start - 1 for start in sequence.turn_starts.values()}
-        blocks: list[list[tuple[int, int]]] = []
-        for at, token in sequence.think_sets:
-            if at in starts:
-                blocks.append([])
-            blocks[-1].append((at, token))
-        assert len(blocks) == len(sequence.turn_starts)
-        for entries in blocks:
-            agreed = [sequence.input_ids[at + 1] == token for at, token in entries]
-            # Every token before the last agrees; the last is the first disagreement or the
-            # block's end.
-            assert all(agreed[:-1])
-            text = tokenizer.decode([token for _, token in entries])
-            if agreed[-1]:
-                assert text.endswith("</think>") and "Win: 9" not in text
-            else:
-                assert tokenizer.decode(sequence.input_ids[entries[-1][0] + 1]) == "9"
-
-
-def test_the_loss_weighs_each_think_token_as_one_move(read, tiny_model):
-    """The judged tokens' log-probabilities come from the model's own logits, and the term
-    is the think weight times each token's -log P, moves beside them at theirs."""
-    _, tokenizer, _, sequences, _ = read
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    chunk = sequences[:4]
-    for sequence in chunk[:2]:  # a judged move too, at the sound mass's own weight
-        sequence.move_sets.append((len(sequence.input_ids) - 3, [7, 9]))
-    input_ids, attention, *_ = collate(chunk, tokenizer.pad_token_id, "cpu")
-    sets = move_set_rows(chunk, "cpu")
-    with torch.no_grad():
-        _, _, best = token_logprobs(model, input_ids, attention, 1.0, move_sets=sets)
-    moves, thinks = [], []
-    for sequence in chunk:
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([sequence.input_ids])).logits[0], -1)
-        moves += [logprobs[at, ids].exp().sum().log() for at, ids in sequence.move_sets]
-        thinks += [logprobs[at, token] for at, token in sequence.think_sets]
-    for sequence in chunk[:2]:
-        sequence.move_sets.clear()
-    assert len(moves) == 2 and len(thinks) > 20 and len(best) == len(moves) + len(thinks)
-    assert torch.allclose(best, torch.stack(moves + thinks), atol=1e-4)
-    cfg = build_config(RLConfig, [("test", {"think_mass_weight": 2.0, "sound_mass_weight": 5.0})])
-    loss, stats = judged_mass_loss(best, sets[3], cfg, 10.0)
-    assert stats["think_judged"] == len(thinks) and stats["judged"] == 2
-    manual = -(5.0 * sum(moves) + 2.0 * sum(thinks)) / 10.0
-    assert loss.item() == pytest.approx(manual.item(), rel=1e-5)
-
-
-def test_rl_with_think_mass_reports_it_and_refuses_envs_without_a_reading(tmp_path):
-    values = dict(
-        model="tiny-master", output_dir=str(tmp_path / "rl"), batch_size=8,
-        rollouts_per_example=4, micro_batch_size=8, max_tokens=64, max_steps=1,
-        think_mass_weight=1.0, temperature=1.0,
-    )  # fmt: skip
-    tictactoe = {
-        "env": "tictactoe",
-        "env_args": {"max_turns": 2, "num_groups": 2, "reasoning": "none"},
-    }
-    sink = RecordingSink()
-    run_rl(build_config(RLConfig, [("test", {**values, **tictactoe})]), sink)
-    ((_, metrics),) = sink.metrics
-    # tiny-master replies <think></think>: the env's block for reasoning "none", well read.
-    assert metrics["think_mass/blocks"] >= 8
-    assert 0.5 < metrics["think_mass/mean"] <= 1
-    assert metrics["loss/total"] > metrics["loss/policy"]
-    refused = build_config(RLConfig, [("test", {**values, "env": "reverse_text"})])
-    with pytest.raises(ValueError, match="think_mass_weight=1.0 needs an env that reads"):
         run_rl(refused, RecordingSink())

@@ -280,14 +280,6 @@ class Environment(ABC):
         `sound_mass_weight` judges every option of every such turn."""
         return None
 
-    def think_target(self, rollout: Rollout, turn: int) -> str | None:
-        """For turn `turn` of a finished rollout: the think block (`<think>...</think>`, tags
-        included) the env counts right for that turn's position, a fact about the position
-        it can check and never the choice; None for a turn it does not judge so, and (the
-        default) from an env without such a verdict. RL's `think_mass_weight` trains toward
-        it."""
-        return None
-
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are
         reported per value of each label."""

@@ -599,15 +599,6 @@ class TicTacToeEnv(MultiTurnEnv):
             judge=lambda option: 1.0 if int(option) in sound_cells else 0.0,
         )
 
-    def think_target(self, rollout: Rollout, turn: int) -> str | None:
-        """The think block `think_text` reads off the turn's board (what `think_correct`
-        records a reply against), tags included: for `reasoning = "none"` the empty block."""
-        key = rollout.turns[turn].state_key if turn < len(rollout.turns) else None
-        mark, reasoning = rollout.state.get("model_mark"), rollout.state.get("reasoning")
-        if not key or mark is None or reasoning not in REASONING_FORMATS:
-            return None
-        return f"<think>{think_text(key.split('/')[0], mark, reasoning)}</think>"
-
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         source = rollout.info if "model_mark" in rollout.info else rollout.state
         if "model_mark" not in source:

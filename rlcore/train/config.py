@@ -76,7 +76,6 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "save_every": (0, 10_000_000),
     "turn_reward_weight": (0.0, 1000.0),
     "sound_mass_weight": (0.0, 1000.0),
-    "think_mass_weight": (0.0, 1000.0),
     "clip_eps_low": (0.0, 1.0),
     "clip_eps_high": (0.0, 100.0),
     "beta": (0.0, 100.0),
@@ -332,11 +331,6 @@ class RLConfig:
     loss adds this weight times -log of the policy's probability (at the sampling
     temperature) of the moves judged best, per turn as the loss is normalized
     (Environment.move_options; see rlcore/train/sound_mass.py). 0: off"""
-    think_mass_weight: float = 0.0
-    """where the env reads a turn's think block right or wrong (tic-tac-toe's `threats`
-    reasoning), the loss adds this weight times -log of the policy's probability of each of
-    the env's tokens, through the first token where the reply parts from them
-    (Environment.think_target; see rlcore/train/sound_mass.py). 0: off"""
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8

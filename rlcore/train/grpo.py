@@ -90,7 +90,7 @@ from rlcore.train.sequences import (
     to_device,
     training_sequences,
 )
-from rlcore.train.sound_mass import attach_move_sets, attach_think_sets
+from rlcore.train.sound_mass import attach_move_sets
 from rlcore.types import Rollout, SamplingParams
 
 # Config fields a resumed run may change without changing what it computes.
@@ -104,16 +104,15 @@ RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "de
 def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces):
     """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the advantage
     metrics). 3: advantages from the rubric's rewards (and the env's per-move verdicts).
-    4: training sequences, the sampled token ids, each token weighed in the loss, with
-    `sound_mass_weight` every judged move's best options and with `think_mass_weight` every
-    judged think token (sound_mass.py). With the collector's first threshold raised, as for
-    the rollouts: a large step's millions of token ids in lists made it collect over and
-    over (bench/rl_host_overhead.py)."""
+    4: training sequences, the sampled token ids, each token weighed in the loss, and with
+    `sound_mass_weight` every judged move's best options (sound_mass.py). With the
+    collector's first threshold raised, as for the rollouts: a large step's millions of
+    token ids in lists made it collect over and over (bench/rl_host_overhead.py)."""
     aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     with fewer_collections:
         turn_advantages, advantage_metrics = step_advantages(env, rollouts, cfg)
         sequences = []
-        judged, single, read, encoded = 0, {}, 0, {}
+        judged, single = 0, {}
         for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
             thinks = (
                 None
@@ -123,13 +122,9 @@ def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tok
             built = training_sequences(rollout, advantages, aggregation, thinks)
             if cfg.sound_mass_weight > 0:
                 judged += attach_move_sets(env, rollout, built, tokenizer, pieces, single)
-            if cfg.think_mass_weight > 0:
-                read += attach_think_sets(env, rollout, built, tokenizer, encoded)
             sequences += built
         if cfg.sound_mass_weight > 0:
             advantage_metrics["sound_mass/moves"] = float(judged)
-        if cfg.think_mass_weight > 0:
-            advantage_metrics["think_mass/blocks"] = float(read)
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
     return sequences, normalizer, advantage_metrics
 
@@ -247,7 +242,7 @@ def token_logprobs(
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     best = None
     if move_sets is not None:
-        rows, targets, members, _ = move_sets
+        rows, targets, members = move_sets
         picked = logits[rows, targets].gather(-1, members.clamp(min=0))
         picked = picked.masked_fill(members < 0, float("-inf"))
         best = torch.logsumexp(picked, dim=-1) - log_normalizer[rows, targets]
@@ -357,25 +352,6 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     return _sampling_metrics(sums.to_host())
 
 
-def judged_mass_loss(best: torch.Tensor, is_think: torch.Tensor | None, cfg: RLConfig, normalizer):
-    """The sound mass and think mass terms of a micro-batch (sound_mass.py): `best` holds
-    log P(best options) of each judged move, then log P(the env's next token) of each judged
-    think token, `is_think` 1 for a think token and 0 for a move (None when there is no
-    think token). A move counts `sound_mass_weight`, a think token `think_mass_weight`.
-    Returns (loss, its on-device sums)."""
-    if is_think is None:
-        weight, moves = best.new_tensor(cfg.sound_mass_weight), torch.ones_like(best)
-    else:
-        moves = 1 - is_think
-        weight = moves * cfg.sound_mass_weight + is_think * cfg.think_mass_weight
-    loss = -(weight * best).sum() / max(normalizer, 1e-8)
-    mass = best.detach().exp()
-    stats = {"best_mass": (mass * moves).sum(), "judged": moves.sum()}
-    if is_think is not None:
-        stats |= {"think_mass": (mass * is_think).sum(), "think_judged": is_think.sum()}
-    return loss, stats
-
-
 def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict:
     """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
     of `policy_loss` over length-sorted micro-batches; returns the step's loss metrics.
@@ -415,10 +391,14 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
                 old = padded([s.old_logprobs for s in chunk], width, device)
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
             loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
-            if best is not None:  # -log P(best options), summed and normalized as the loss is
-                mass_loss, mass_stats = judged_mass_loss(best, sets[3], cfg, normalizer)
+            if best is not None:  # -log P(best moves), summed and normalized as the loss is
+                mass_loss = -cfg.sound_mass_weight * best.sum() / max(normalizer, 1e-8)
                 loss = loss + mass_loss
-                stats |= {"total": stats["total"] + mass_loss.detach(), **mass_stats}
+                stats |= {
+                    "total": stats["total"] + mass_loss.detach(),
+                    "best_mass": best.detach().exp().sum(),
+                    "judged": best.new_tensor(float(len(best))),
+                }
             loss.backward()
             sums.add(stats)
         current_ranks().sum_gradients(learner.model)  # data-parallel: every rank's share
@@ -432,8 +412,6 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     metrics = _sampling_metrics(host) if single_pass else {}
     if host.get("judged"):
         metrics["sound_mass/mean"] = host["best_mass"] / host["judged"]
-    if host.get("think_judged"):
-        metrics["think_mass/mean"] = host["think_mass"] / host["think_judged"]
     return metrics | {
         "loss/policy": host["policy"] / cfg.num_iterations,
         "loss/total": host["total"] / cfg.num_iterations,
@@ -507,11 +485,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         raise ValueError(
             f"sound_mass_weight={cfg.sound_mass_weight} needs an env that judges moves one by "
             f"one (Environment.move_options); {env.name!r} does not (set sound_mass_weight = 0)"
-        )
-    if cfg.think_mass_weight > 0 and type(env).think_target is Environment.think_target:
-        raise ValueError(
-            f"think_mass_weight={cfg.think_mass_weight} needs an env that reads think blocks "
-            f"(Environment.think_target); {env.name!r} does not (set think_mass_weight = 0)"
         )
     # Ranks must run an update's collectives together: only one process hears a stop
     # between its micro-batches.

@@ -37,9 +37,6 @@ class TrainingSequence:
     # Judged moves (sound_mass.py): (the target index whose next token is the move, the
     # token ids of the moves the env judged best there).
     move_sets: list[tuple[int, list[int]]] = field(default_factory=list)
-    # Judged think-block tokens (sound_mass.attach_think_sets): (the target index, the id of
-    # the token the env's reading puts next).
-    think_sets: list[tuple[int, int]] = field(default_factory=list)
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
 
@@ -50,8 +47,8 @@ class TrainingSequence:
     @property
     def has_gradient(self) -> bool:
         """Whether the policy loss gets a gradient from it without a KL term: a nonzero
-        advantage, a judged move or a judged think token (sound_mass.py)."""
-        return bool(self.move_sets) or bool(self.think_sets) or any(self.advantages)
+        advantage or a judged move (sound_mass.py)."""
+        return bool(self.move_sets) or any(self.advantages)
 
 
 def token_pieces(completion_ids: list[int], pieces: dict[int, str], tokenizer) -> list[str]:
@@ -229,20 +226,14 @@ def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
 
 
 def move_set_rows(chunk: list[TrainingSequence], device) -> tuple[torch.Tensor, ...] | None:
-    """A micro-batch's judged moves and think tokens (`TrainingSequence.move_sets`, then
-    `think_sets`) as tensors: the row and target index of each, its best options' token ids
-    right-padded with -1 (a think token's one id), and 1.0 for a think token, 0.0 for a move
-    (None when there is no think token). None when the chunk has neither."""
+    """A micro-batch's judged moves (`TrainingSequence.move_sets`) as tensors: the row and
+    target index of each, and its best moves' token ids right-padded with -1; None when
+    the chunk has none."""
     found = [[row, at, *ids] for row, s in enumerate(chunk) for at, ids in s.move_sets]
-    thinks = [[row, at, token] for row, s in enumerate(chunk) for at, token in s.think_sets]
-    if not found and not thinks:
+    if not found:
         return None
     # One host array, one copy: row, target index, then the ids padded with -1.
-    rows = found + thinks
     table = to_device(
-        torch.from_numpy(padded_rows(rows, max(map(len, rows)), np.int64, -1)), device
+        torch.from_numpy(padded_rows(found, max(map(len, found)), np.int64, -1)), device
     )
-    if not thinks:  # the sound mass alone: nothing more to copy
-        return table[:, 0], table[:, 1], table[:, 2:], None
-    is_think = torch.cat([torch.zeros(len(found)), torch.ones(len(thinks))])
-    return table[:, 0], table[:, 1], table[:, 2:], to_device(is_think, device)
+    return table[:, 0], table[:, 1], table[:, 2:]

@@ -15,14 +15,6 @@ sound moves decides which gains most, and it stays near its largest however sure
 is of a wrong move. It applies at sound moves too, where it takes mass off the unsound moves
 the sample did not show. It reads the logits at the move token of the rollout's own training
 sequences: no extra forward pass and no extra sequence.
-
-The think mass does the same for a think block the env can read right or wrong
-(`Environment.think_target`: tic-tac-toe's `threats` reading names the cells that win and
-those that must be blocked, facts of the board and never the choice): at each of the block's
-tokens, up to the first where the reply went its own way, -log of the policy's probability of
-the env's token, each weighed by `think_mass_weight`. Off the policy loss
-(`train_think = false`) a think block is otherwise held by nothing (docs/mastery.md, the
-merges run); this holds it to the board.
 """
 
 from __future__ import annotations
@@ -67,42 +59,6 @@ def attach_move_sets(
         sequence.move_sets.append((position - 1, best))
         recorded += 1
     return recorded
-
-
-def attach_think_sets(
-    env: Environment,
-    rollout: Rollout,
-    sequences: list[TrainingSequence],
-    tokenizer,
-    encoded: dict[str, list[int]],
-) -> int:
-    """Record in `sequences` the think mass's judged tokens: for every turn whose think block
-    the env reads (`Environment.think_target`), each token of the env's block in turn, as
-    long as the reply's own tokens agree with it, and the first where they part (where the
-    reply went wrong, the right token is trained up; after it the reply's context is no
-    longer the env's block, so nothing is). Each token weighs as one judged move does; one
-    the policy is already sure of adds next to no gradient, so the push lands where the
-    reading is uncertain or wrong, as SFT's would. Returns how many turns were judged.
-    `encoded` caches each target's token ids across calls."""
-    judged = 0
-    for index, turn in enumerate(rollout.turns):
-        target = env.think_target(rollout, index)
-        sequence = next((s for s in sequences if index in s.turn_starts), None)
-        if target is None or sequence is None:
-            continue
-        if target not in encoded:
-            encoded[target] = tokenizer.encode(target, add_special_tokens=False)
-        ids, completion = encoded[target], turn.completion_ids
-        # Through the first token where the reply parts from the block (within the reply).
-        count = min(len(ids), len(completion))
-        count = next((at + 1 for at in range(count) if completion[at] != ids[at]), count)
-        if count == 0:
-            continue
-        start = sequence.turn_starts[index]
-        for at in range(count):
-            sequence.think_sets.append((start + at - 1, ids[at]))
-        judged += 1
-    return judged
 
 
 def move_token_index(texts: list[str], prefix: str, played: str) -> int | None:
