@@ -33,7 +33,19 @@ from webapp.jobs.models import Job
 from workers.celery import app as celery_app
 
 REPO = Path(__file__).resolve().parents[1]
-TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+
+
+def _own_database(url: str) -> str:
+    """`url` for this test process: under pytest-xdist each worker (gw0, gw1, ...) takes its
+    own Redis database number (14, 12, 10, ...), so that its Celery worker, broker queues
+    and channel layer never meet another's; PostgreSQL is kept apart by pytest-django."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    base, _, number = url.rpartition("/")
+    return f"{base}/{(int(number or 0) - 2 * int(worker.removeprefix('gw'))) % 16}"
+
+
+TEST_REDIS_URL = _own_database(os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/14"))
+os.environ["REDIS_URL"] = TEST_REDIS_URL  # for what the tests start as subprocesses
 TERMINAL = tuple(Job.TERMINAL)
 
 
