@@ -235,14 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-group", type=int, default=8)
     parser.add_argument("--rl-lr", type=float, default=1e-4)
     parser.add_argument("--rl-warmup", type=int, default=0, help="RL warm-up steps")
-    parser.add_argument(
-        "--rl-lr-schedule",
-        default="constant",
-        choices=["constant", "cosine"],
-        help="RL learning rate after warm-up: constant, or a cosine over --rl-max-steps down "
-        "to --rl-min-lr-ratio times --rl-lr (set --rl-max-steps to what the budget holds)",
-    )
-    parser.add_argument("--rl-min-lr-ratio", type=float, default=0.0)
     parser.add_argument("--rl-adam-eps", type=float, default=1e-8, help="RL AdamW epsilon")
     parser.add_argument("--rl-temperature", type=float, default=0.7)
     parser.add_argument("--rl-loss", default="grpo", choices=["grpo", "cispo", "dr_grpo"])
@@ -408,8 +400,6 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             lr=args.rl_lr,
             warmup_steps=args.rl_warmup,
-            lr_schedule=args.rl_lr_schedule,
-            min_lr_ratio=args.rl_min_lr_ratio,
             adam_eps=args.rl_adam_eps,
             temperature=args.rl_temperature,
             max_tokens=args.max_tokens,

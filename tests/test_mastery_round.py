@@ -25,13 +25,11 @@ def load(name: str):
 ROUND = load("tictactoe_mastery_round")
 # The smallest story that still plays, trains and resumes (half a minute a part: a quarter
 # left a slow, loaded 2-core VM no RL step before the split): 20 teacher games, one SFT
-# epoch, RL steps of 16 games with 16-token replies, 8 games per opponent; a cosine
-# learning rate over more steps than the minute holds, which the split must not restart.
+# epoch, RL steps of 16 games with 16-token replies, 8 games per opponent.
 COMMON = (
     "--device cpu --skip-base --budget-minutes 1 --sft-games 20 --sft-epochs 1 "
     "--eval-games 8 --eval-concurrency 8 --rl-batch 16 --rl-group 4 --max-tokens 16 "
-    "--rl-turn-reward-weight 1 --rl-sound-mass 1 --rl-no-think-loss "
-    "--rl-lr 1e-4 --rl-lr-schedule cosine --rl-max-steps 400"
+    "--rl-turn-reward-weight 1 --rl-sound-mass 1 --rl-no-think-loss"
 )
 
 
@@ -72,10 +70,6 @@ def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_pa
     # The second part went on from the first part's last saved step: one run of steps.
     metrics = [json.loads(line) for line in (root / "a" / "rl" / "metrics.jsonl").open()]
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
-    # The schedule went on where the first part left it: one cosine from the peak down.
-    rates = [m["optim/lr"] for m in metrics]
-    assert rates[0] == pytest.approx(1e-4)
-    assert all(later < earlier for earlier, later in zip(rates[:-1], rates[1:], strict=True))
     assert run["rl_steps"] == len(metrics) > steps_first
     assert "resumed from" in (root / "a.log").read_text()
     # Both parts' wall time together is the one budget (the second part's start included).
