@@ -4,7 +4,8 @@ work), staff carol, the real Redis on a test database number, and a real Celery 
 Run with PostgreSQL, e.g.
   DATABASE_URL=postgres://postgres@127.0.0.1:5432/rllab .venv/bin/pytest tests/web
 pytest-django creates test_rllab next to it. Redis DB 14 (TEST_REDIS_URL) is used for the
-broker and the channel layer so a running `make run` on DB 0 is not disturbed.
+broker and the channel layer so a running `make run` on DB 0 is not disturbed; under
+pytest-xdist (make test) each further process takes the database two below the last.
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ def _own_database(url: str) -> str:
     and channel layer never meet another's; PostgreSQL is kept apart by pytest-django."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     base, _, number = url.rpartition("/")
-    return f"{base}/{(int(number or 0) - 2 * int(worker.removeprefix('gw'))) % 16}"
+    own = int(number or 0) - 2 * int(worker.removeprefix("gw"))
+    if own < 1:  # never database 0, where `make run` keeps the lab's queues
+        raise RuntimeError(
+            f"test worker {worker} has no Redis database left below {url}: "
+            "run fewer processes (TEST_WORKERS) or a higher TEST_REDIS_URL database"
+        )
+    return f"{base}/{own}"
 
 
 TEST_REDIS_URL = _own_database(os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/14"))
