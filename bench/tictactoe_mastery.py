@@ -10,6 +10,14 @@ Stages, each timed, all on the machine's own device (a 2-core CPU is the referen
 4. evaluation of base, SFT and RL: `--eval-games` games each against a random opponent
    (random_move_prob = 1) and against the optimal one (random_move_prob = 0), greedy.
 
+With `--rl-select K` the RL checkpoint evaluated is chosen, inside the budget, among the
+run's last K saves (one every `--rl-select-every` steps): each plays `--rl-select-games`
+validation games per opponent (their own seed, apart from the training streams and the
+held-out evaluation's) and the best by the choice rule (`choice_score`) is the RL stage.
+The SFT model's validation is timed first, and RL stops K such times before the budget's
+end, so the choice is paid for out of the same wall time. The last step's save is evaluated
+too, as the stage `rl_last`: what the choice gained, on the same held-out games.
+
 Prints the base / SFT / RL table and each stage's wall time; writes
 `bench/results/tictactoe_mastery.json`; keeps every stage's checkpoint directory so anyone
 can re-run `python -m rlcore eval tictactoe --model <dir> ...` on it, and every RL step's
@@ -52,6 +60,19 @@ from rlcore.train.sft import run_sft  # noqa: E402
 from rlcore.train.synth import run_synth  # noqa: E402
 
 OPPONENTS = {"random": 1.0, "optimal": 0.0}
+# Example streams: training starts at seed 0 (--seed), the held-out evaluation is seed
+# 10,000 and the validation games of --rl-select are seed 20,000.
+HELD_OUT_SEED, VALIDATION_SEED = 10_000, 20_000
+
+
+def choice_score(rows: dict) -> float:
+    """The choice rule (tiny-master is chosen by it): draws against optimal + wins against
+    random - 2 x losses against random - 2 x the invalid-move rate (the mean of both
+    opponents'), for one model's rows of `evaluate`."""
+    invalid = (rows["random"]["invalid_move_rate"] + rows["optimal"]["invalid_move_rate"]) / 2
+    return (
+        rows["optimal"]["draw"] + rows["random"]["win"] - 2 * rows["random"]["loss"] - 2 * invalid
+    )
 
 
 class DeadlineSink(ConsoleSink):
@@ -88,8 +109,11 @@ class DeadlineSink(ConsoleSink):
         super().progress(done, total, desc)
 
 
-def evaluate(model: str, games: int, args, label: str, opponents=tuple(OPPONENTS)) -> dict:
-    """Win/draw/loss, invalid and format rates of `model` against each of `opponents`."""
+def evaluate(
+    model: str, games: int, args, label: str, opponents=tuple(OPPONENTS), seed=HELD_OUT_SEED
+) -> dict:
+    """Win/draw/loss, invalid and format rates of `model` against each of `opponents`, on
+    the examples of `seed` (the held-out games by default)."""
     rows = {}
     for opponent in opponents:
         random_move_prob = OPPONENTS[opponent]
@@ -106,7 +130,7 @@ def evaluate(model: str, games: int, args, label: str, opponents=tuple(OPPONENTS
             max_tokens=args.max_tokens,
             temperature=0.0,
             concurrency=args.eval_concurrency,
-            seed=10_000,  # held-out examples: training streams start at seed 0
+            seed=seed,
             out_dir=str(Path(args.out) / "eval" / f"{label}-vs-{opponent}"),
             device=args.device,
         )
@@ -298,6 +322,17 @@ def main(argv: list[str] | None = None) -> int:
         help="outcome reward of a lost (or unfinished) RL game; a win is 1",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of SFT and RL")
+    parser.add_argument(
+        "--rl-select",
+        type=int,
+        default=0,
+        help="choose the RL checkpoint among the last K saves by validation games, inside "
+        "the budget (0: the last step)",
+    )
+    parser.add_argument("--rl-select-every", type=int, default=25, help="RL steps between saves")
+    parser.add_argument(
+        "--rl-select-games", type=int, default=500, help="validation games per opponent"
+    )
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument(
@@ -355,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         times["sft"] = time.monotonic() - started
         checkpoints["sft"] = sft_dir
+        if args.rl_select:  # what one checkpoint's validation costs, to keep room for K
+            started = time.monotonic()
+            validate(sft_dir, args, "sft")
+            times["select_probe"] = time.monotonic() - started
     else:  # the second part of a split run: synth and SFT are the first part's
         times, checkpoints, synth = (
             partial["wall_seconds"],
@@ -366,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. RL for whatever is left of the budget (or until the split).
     started = time.monotonic()
-    deadline = pipeline_started + budget_s - spent
+    deadline = pipeline_started + budget_s - spent - args.rl_select * times.get("select_probe", 0)
     if args.split_minutes is not None:
         deadline = min(deadline, pipeline_started + args.split_minutes * 60)
     rl_dir = run_rl(
@@ -404,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.rl_temperature,
             max_tokens=args.max_tokens,
             micro_batch_size=args.rl_micro_batch,
-            save_every=0,
+            save_every=args.rl_select_every if args.rl_select else 0,
             device=args.device,
         ),
         DeadlineSink(
@@ -423,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     times["rl"] = times.get("rl", 0.0) + time.monotonic() - started
+    selection = None
+    if args.rl_select and args.split_minutes is None:
+        started = time.monotonic()
+        checkpoints["rl_last"] = rl_dir
+        rl_dir, selection = select_checkpoint(Path(rl_dir).parent, args)
+        times["select"] = time.monotonic() - started
     times["pipeline"] = spent + time.monotonic() - pipeline_started
     checkpoints["rl"] = rl_dir
     if args.split_minutes is not None:
@@ -440,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. Evaluation (not part of the training budget).
     stages = {"sft": sft_dir, "rl": rl_dir}
+    if selection:  # the last step's save beside the chosen one, on the same held-out games
+        stages["rl_last"] = checkpoints["rl_last"]
     if not args.skip_base:
         stages = {"base": base, **stages}
     results = {}
@@ -461,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
         "synth": {k: v for k, v in synth.items() if k != "path"} | {"path": synth["path"]},
         "stages": results,
+        "selection": selection,
         "wall_seconds": {k: round(v, 1) for k, v in times.items()},
         "checkpoints": checkpoints,
         "targets": {
@@ -476,6 +524,24 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results, times))
     print(f"\nresults: {args.results}\nRL checkpoint: {rl_dir}")
     return 0
+
+
+def validate(model: str, args, label: str) -> dict:
+    """`model`'s rows on the validation games (`--rl-select-games` per opponent)."""
+    return evaluate(model, args.rl_select_games, args, f"select-{label}", seed=VALIDATION_SEED)
+
+
+def select_checkpoint(rl_out: Path, args) -> tuple[str, dict]:
+    """The best of the run's last `--rl-select` saves by the choice rule on the validation
+    games (the later save on a tie), and the record of every candidate."""
+    saves = sorted(d for d in rl_out.glob("step_*") if (d / "model.safetensors").is_file())
+    candidates = {}
+    for save in saves[-args.rl_select :]:
+        rows = validate(str(save), args, save.name)
+        candidates[save.name] = {"score": round(choice_score(rows), 4), **rows}
+    chosen = max(candidates, key=lambda name: (candidates[name]["score"], name))
+    record = {"games": args.rl_select_games, "seed": VALIDATION_SEED, "chosen": chosen}
+    return str(rl_out / chosen), record | {"candidates": candidates}
 
 
 def load_partial(args) -> dict:

@@ -17,8 +17,10 @@ first step, a third, two thirds and the last, the step's timings among them), an
 run by the choice rule below; with `--archive DIR` the best run's RL checkpoint is packed
 into `DIR/best.tar.gz` (what a lent machine can hand back).
 
-The choice rule (the one `tiny-master` is chosen by): draws against optimal plus wins
-against random, less twice the losses against random and twice the invalid moves.
+The choice rule (the benchmark's `choice_score`, the one `tiny-master` is chosen by): draws
+against optimal plus wins against random, less twice the losses against random and twice
+the invalid moves. A run with `--rl-select K` records which of its saves it chose and every
+candidate's validation score.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE / "tictactoe_mastery.py"
+sys.path.insert(0, str(HERE))
+
+from tictactoe_mastery import choice_score  # noqa: E402  (the benchmark's own rule)
+
 CURVE_KEYS = (
     "tictactoe/sound_move_rate",
     "sound_mass/mean",
@@ -48,13 +54,6 @@ CURVE_KEYS = (
     "length/completion_tokens",
 )
 POINTS = ("first", "third", "two_thirds", "last")
-
-
-def choice_score(rl: dict) -> float:
-    """Draws against optimal + wins against random - 2 x losses against random - 2 x the
-    invalid-move rate (the mean of both opponents')."""
-    invalid = (rl["random"]["invalid_move_rate"] + rl["optimal"]["invalid_move_rate"]) / 2
-    return rl["optimal"]["draw"] + rl["random"]["win"] - 2 * rl["random"]["loss"] - 2 * invalid
 
 
 def curves(metrics: list[dict]) -> dict:
@@ -85,6 +84,10 @@ def merge_round(root: Path, flags: dict[str, str]) -> dict:
             "curves": curves(metrics),
             "score": round(choice_score(result["stages"]["rl"]), 4),
         }
+        if result.get("selection"):  # --rl-select: which save, and every candidate's score
+            chosen = result["selection"]
+            scores = {k: v["score"] for k, v in chosen["candidates"].items()}
+            runs[name]["selection"] = {"chosen": chosen["chosen"], "scores": scores}
     best = max(runs, key=lambda name: runs[name]["score"]) if runs else None
     return {"runs": runs, "best": best}
 

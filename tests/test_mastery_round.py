@@ -31,6 +31,8 @@ COMMON = (
     "--eval-games 8 --eval-concurrency 8 --rl-batch 16 --rl-group 4 --max-tokens 16 "
     "--rl-turn-reward-weight 1 --rl-sound-mass 1 --rl-no-think-loss"
 )
+# The RL checkpoint chosen among the last 2 saves (one a step) by 4 validation games each.
+SELECT = "--seed 0 --rl-select 2 --rl-select-every 1 --rl-select-games 4"
 
 
 def runner(*args: str) -> subprocess.CompletedProcess:
@@ -43,20 +45,21 @@ def runner(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_path):
-    root, common = tmp_path / "round", ["--common", COMMON, "--run", "a=--seed 0"]
+    root, common = tmp_path / "round", ["--common", COMMON, "--run", f"a={SELECT}"]
     first = runner("--round", "t", "--root", str(root), *common, "--part", "1",
                    "--split-minutes", "0.5")  # fmt: skip
     assert first.returncode == 0, first.stdout + first.stderr
     partial = json.loads((root / "a.part.json").read_text())
     assert partial["partial"] and "stages" not in partial  # nothing evaluated yet
     assert partial["wall_seconds"]["pipeline"] < 0.5 * 60 + 10
+    assert partial["wall_seconds"]["select_probe"] > 0  # the SFT model's validation, timed
     steps_first = len((root / "a" / "rl" / "metrics.jsonl").read_text().splitlines())
     assert steps_first >= 1 and f"{steps_first} RL steps" in first.stdout
 
     # Another setting than the first part's is refused, by name, before anything runs.
     other = subprocess.run(
-        [sys.executable, str(BENCH / "tictactoe_mastery.py"), *COMMON.split(), "--seed", "1",
-         "--resume", str(root / "a.part.json"), "--out", str(root / "a")],
+        [sys.executable, str(BENCH / "tictactoe_mastery.py"), *COMMON.split(),
+         *SELECT.replace("--seed 0", "--seed 1").split(), "--resume", str(root / "a.part.json"), "--out", str(root / "a")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert other.returncode != 0 and "other settings: seed" in other.stderr
@@ -75,10 +78,25 @@ def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_pa
     # Both parts' wall time together is the one budget (the second part's start included).
     seconds = run["wall_seconds"]
     assert seconds["first_part"] == pytest.approx(partial["wall_seconds"]["pipeline"], abs=0.1)
-    assert 1 * 60 - 1 <= seconds["pipeline"] < 1 * 60 + 15
-    assert set(run["stages"]) == {"sft", "rl"} and run["stages"]["rl"]["random"]["games"] == 8
+    # RL stopped 2 validations' time (as the SFT model's took) early, and the choice of
+    # the checkpoint was spent in that room.
+    room = 2 * seconds["select_probe"]
+    assert 1 * 60 - 1 - room <= seconds["pipeline"] < 1 * 60 + 15 and seconds["select"] > 0
+    assert (
+        set(run["stages"]) == {"sft", "rl", "rl_last"}
+        and run["stages"]["rl"]["random"]["games"] == 8
+    )
     assert run["curves"]["perf/step_seconds"]["last"] > 0
-    assert record["best"] == "a" and record["run_flags"] == {"a": "--seed 0"}
+    assert record["best"] == "a" and record["run_flags"] == {"a": SELECT}
+    # The RL stage is the best of the last two saves on the validation games; the last
+    # step's save is kept beside it.
+    own = json.loads((root / "a.json").read_text())["selection"]
+    scores = run["selection"]["scores"]
+    last = Path(run["checkpoints"]["rl_last"]).name
+    assert len(scores) == 2 and last in scores and own["games"] == 4 and own["seed"] == 20_000
+    assert run["selection"]["chosen"] == max(scores, key=lambda k: (scores[k], k))
+    assert Path(run["checkpoints"]["rl"]).name == run["selection"]["chosen"]
+    assert all(c["random"]["games"] == 4 for c in own["candidates"].values())
     with tarfile.open(archive / "best.tar.gz") as packed:
         assert "rt-a/model.safetensors" in packed.getnames()
 
