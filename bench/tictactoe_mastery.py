@@ -358,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.budget_minutes, args.eval_games, args.sft_epochs = 2.0, 50, 2
         args.base_games = 20
+    if args.rl_select < 0 or args.rl_select_every < 1 or args.rl_select_games < 1:
+        parser.error(
+            f"--rl-select {args.rl_select}, --rl-select-every {args.rl_select_every}, "
+            f"--rl-select-games {args.rl_select_games}: the saves to choose among must be 0 "
+            "or more, the steps between saves and the validation games 1 or more"
+        )
     if args.split_minutes is not None and args.resume:
         parser.error("--split-minutes and --resume are the two parts of one run: give one")
     partial = load_partial(args) if args.resume else None
@@ -535,6 +541,8 @@ def select_checkpoint(rl_out: Path, args) -> tuple[str, dict]:
     """The best of the run's last `--rl-select` saves by the choice rule on the validation
     games (the later save on a tie), and the record of every candidate."""
     saves = sorted(d for d in rl_out.glob("step_*") if (d / "model.safetensors").is_file())
+    if not saves:
+        raise SystemExit(f"--rl-select: RL left no save in {rl_out} to choose among")
     candidates = {}
     for save in saves[-args.rl_select :]:
         rows = validate(str(save), args, save.name)

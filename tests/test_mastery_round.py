@@ -134,3 +134,16 @@ def test_the_merge_picks_the_best_run_by_the_choice_rule(tmp_path):
 def test_run_names_must_be_plain_words_given_once(bad):
     with pytest.raises(SystemExit):
         ROUND.parse_runs(bad)
+
+
+@pytest.mark.parametrize(
+    "bad", [["--rl-select", "-1"], ["--rl-select", "2", "--rl-select-every", "0"],
+            ["--rl-select", "2", "--rl-select-games", "0"]],
+)  # fmt: skip
+def test_the_choice_refuses_settings_it_cannot_keep_naming_them(bad, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "tictactoe_mastery.py"), *bad, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and " ".join(bad[-2:]) in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything ran
