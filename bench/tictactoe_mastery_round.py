@@ -96,7 +96,7 @@ def summary_table(merged: dict) -> str:
     """One line a run: steps, SFT and RL against random, draws against optimal, invalid."""
     lines = [
         f"{'run':<10}{'steps':>6}  {'SFT vs random W/D/L':<20}{'RL vs random W/D/L':<20}"
-        f"{'opt draw':>9}{'invalid':>9}{'format':>8}{'score':>8}"
+        f"{'opt draw':>9}{'invalid':>9}{'format':>8}{'score':>8}  chosen (last save's score)"
     ]
     for name, run in merged["runs"].items():
         sft, rl = run["stages"]["sft"]["random"], run["stages"]["rl"]
@@ -104,10 +104,18 @@ def summary_table(merged: dict) -> str:
         lines.append(
             f"{name:<10}{run['rl_steps']:>6}  "
             f"{_wdl(sft):<20}{_wdl(rl['random']):<20}{rl['optimal']['draw']:>9.1%}"
-            f"{invalid:>9.2%}{rl['random']['format']:>8.1%}{run['score']:>8.3f}"
+            f"{invalid:>9.2%}{rl['random']['format']:>8.1%}{run['score']:>8.3f}" + _chosen(run)
         )
     lines.append(f"best: {merged['best']}")
     return "\n".join(lines)
+
+
+def _chosen(run: dict) -> str:
+    """With --rl-select: the save reported and the last save's score on the same games."""
+    if "selection" not in run:
+        return ""
+    last = run["stages"].get("rl_last")
+    return f"  {run['selection']['chosen']}" + (f" ({choice_score(last):.3f})" if last else "")
 
 
 def _wdl(row: dict) -> str:

@@ -110,6 +110,9 @@ def _rl(win, draw_vs_optimal, loss, invalid):
 def test_the_merge_picks_the_best_run_by_the_choice_rule(tmp_path):
     # b wins less than a but loses far less and draws more against optimal.
     stages = {"a": _rl(0.80, 0.50, 0.15, 0.0), "b": _rl(0.70, 0.90, 0.05, 0.01)}
+    # b reported its save of step 8, chosen over step 10 by validation games (--rl-select).
+    choice = {"chosen": "step_000008", "candidates": {"step_000008": {"score": 1.4},
+                                                      "step_000010": {"score": 0.9}}}  # fmt: skip
     for name, rl in stages.items():
         out = tmp_path / name
         (out / "rl").mkdir(parents=True)
@@ -120,6 +123,9 @@ def test_the_merge_picks_the_best_run_by_the_choice_rule(tmp_path):
             "wall_seconds": {"pipeline": 900.0}, "checkpoints": {"rl": str(out / "rl")},
             "machine": {"cuda": "NVIDIA H200", "platform": "linux"},
         }  # fmt: skip
+        if name == "b":
+            result["selection"] = choice
+            result["stages"]["rl_last"] = _rl(0.60, 0.40, 0.30, 0.0)
         (tmp_path / f"{name}.json").write_text(json.dumps(result))
     merged = ROUND.merge_round(tmp_path, {"a": "--seed 0", "b": "--seed 1"})
     assert merged["runs"]["a"]["score"] == pytest.approx(0.5 + 0.8 - 0.3)
@@ -127,7 +133,12 @@ def test_the_merge_picks_the_best_run_by_the_choice_rule(tmp_path):
     assert merged["best"] == "b" and merged["runs"]["b"]["rl_steps"] == 10
     curve = merged["runs"]["a"]["curves"]["outcome/win"]
     assert curve == {"first": 0.1, "third": 0.4, "two_thirds": 0.7, "last": 1.0}
-    assert "best: b" in ROUND.summary_table(merged)
+    assert merged["runs"]["b"]["selection"] == {
+        "chosen": "step_000008", "scores": {"step_000008": 1.4, "step_000010": 0.9}
+    }  # fmt: skip
+    assert "selection" not in merged["runs"]["a"]
+    table = ROUND.summary_table(merged)
+    assert "best: b" in table and "step_000008 (0.400)" in table  # 0.4 + 0.6 - 0.6
 
 
 @pytest.mark.parametrize("bad", [["x"], ["=--seed 0"], ["../a=--seed 0"], ["a=1", "a=2"], []])
