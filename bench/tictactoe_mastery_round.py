@@ -85,9 +85,9 @@ def merge_round(root: Path, flags: dict[str, str]) -> dict:
             "score": round(choice_score(result["stages"]["rl"]), 4),
         }
         if result.get("selection"):  # --rl-select: which save, and every candidate's score
-            chosen = result["selection"]
-            scores = {k: v["score"] for k, v in chosen["candidates"].items()}
-            runs[name]["selection"] = {"chosen": chosen["chosen"], "scores": scores}
+            selection = result["selection"]
+            scores = {k: v["score"] for k, v in selection["candidates"].items()}
+            runs[name]["selection"] = {"chosen": selection["chosen"], "scores": scores}
     best = max(runs, key=lambda name: runs[name]["score"]) if runs else None
     return {"runs": runs, "best": best}
 
