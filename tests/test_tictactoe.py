@@ -453,6 +453,22 @@ async def test_think_reward_adds_to_the_turn_reward_of_a_reply_that_reads_the_bo
     assert rewards[0.5] == [1.0, 0.5] + [1.5] * rest
 
 
+async def test_a_malformed_reply_earns_no_turn_reward_whatever_its_move():
+    # The centre of the empty board is sound; the first reply plays it with a tail after the
+    # move tag (the drift seen in RL: the move read, the reply never ending), the rest are
+    # the oracle's well-formed replies.
+    env = TicTacToeEnv(model_mark="X", max_turns=30, reasoning="none")
+    example = first_example(env, model_starts=True)
+    tail = "<think></think><move>4</move></move>4"
+    rollout = await env.rollout(ScriptedPolicy([tail], then=OraclePolicy()), example, SAMPLING)
+    assert rollout.state["move_sound"][0] is True and rollout.state["board"][4] == "X"
+    assert rollout.state["well_formed"] == [False] + [True] * (rollout.num_turns - 1)
+    assert env.turn_rewards(rollout) == [0.0] + [1.0] * (rollout.num_turns - 1)
+    # A rollout stored before the format record is judged on its moves alone.
+    del rollout.state["well_formed"]
+    assert env.turn_rewards(rollout) == [1.0] * rollout.num_turns
+
+
 class _Switch(Policy):
     """`first` for one reply, then `then`."""
 

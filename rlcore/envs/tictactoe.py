@@ -139,6 +139,8 @@ def game_state(
         "move_sound": [],
         # Per model reply: whether its think block read the board right (`think_text`).
         "think_correct": [],
+        # Per model reply: whether it was exactly a think block and a move (`is_well_formatted`).
+        "well_formed": [],
         "reasoning": reasoning,
         "invalid_moves": 0,
         "model_turns": 0,
@@ -154,6 +156,7 @@ def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]
     board = state["board"]
     expected = think_text(board, state["model_mark"], state["reasoning"])
     state["think_correct"].append(think_parser.think(reply) == expected)
+    state.setdefault("well_formed", []).append(is_well_formatted(reply))
     cell, error = parse_move(reply, board)
     if error is not None:
         state["invalid_moves"] += 1
@@ -562,9 +565,12 @@ class TicTacToeEnv(MultiTurnEnv):
     def turn_rewards(self, rollout: Rollout) -> list[float] | None:
         """For each reply: 1 if its move kept the game-theoretic value (`sound_moves`), 0
         if it gave some away or was invalid, plus `think_reward` if its think block read
-        the board right. A per-move reward the env verifies with its own solver, for
-        trainers that credit moves one by one (RL's `turn_reward_weight`). None when the
-        rollout has no such record."""
+        the board right; a reply that is not exactly a think block and a move earns 0
+        whatever its move (so a drift into malformed replies meets the same per-move
+        credit as a bad move, not just the format's small share of the game's reward).
+        A per-move reward the env verifies with its own solver, for trainers that credit
+        moves one by one (RL's `turn_reward_weight`). None when the rollout has no such
+        record."""
         sound = rollout.state.get("move_sound")
         if sound is None:
             return None
@@ -572,9 +578,12 @@ class TicTacToeEnv(MultiTurnEnv):
         thinks = rollout.state.get("think_correct")
         if not isinstance(thinks, list) or len(thinks) != len(sound):
             thinks = [False] * len(sound)  # a rollout stored before the think record
+        formed = rollout.state.get("well_formed")
+        if not isinstance(formed, list) or len(formed) != len(sound):
+            formed = [True] * len(sound)  # a rollout stored before the format record
         return [
-            (1.0 if s is True else 0.0) + (bonus if t else 0.0)
-            for s, t in zip(sound, thinks, strict=True)
+            ((1.0 if s is True else 0.0) + (bonus if t else 0.0)) if f else 0.0
+            for s, t, f in zip(sound, thinks, formed, strict=True)
         ]
 
     def move_options(self, rollout: Rollout, turn: int, reply: str) -> MoveOptions | None:

@@ -39,7 +39,7 @@ from rlcore.policy.base import Policy
 from rlcore.types import Message, SamplingParams
 
 # The parts of the env's state a stored game keeps besides the board and the moves.
-_RECORDS = ("invalid_moves", "model_turns", "move_sound", "think_correct")
+_RECORDS = ("invalid_moves", "model_turns", "move_sound", "think_correct", "well_formed")
 
 
 @dataclass
@@ -107,7 +107,7 @@ class PlaySession:
         state["winner"] = winner(state["board"])
         # Games stored before the records were kept have only the invalid-move count.
         state["invalid_moves"] = int(data.get("invalid_moves", 0))
-        for name in ("model_turns", "move_sound", "think_correct"):
+        for name in ("model_turns", "move_sound", "think_correct", "well_formed"):
             if name in data:
                 state[name] = copy.deepcopy(data[name])
         return cls(
