@@ -11,9 +11,11 @@ Stages, each timed, all on the machine's own device (a 2-core CPU is the referen
    (random_move_prob = 1) and against the optimal one (random_move_prob = 0), greedy.
 
 With `--rl-select K` the RL checkpoint evaluated is chosen, inside the budget, among the
-run's last K saves (one every `--rl-select-every` steps): each plays `--rl-select-games`
-validation games per opponent (their own seed, apart from the training streams and the
-held-out evaluation's) and the best by the choice rule (`choice_score`) is the RL stage.
+run's last K saves (one every `--rl-select-every` steps) by the trainer's own choice (RL's
+`select`, rlcore/train/select.py): each plays `--rl-select-games` validation games per
+opponent (their own seed, apart from the training streams and the held-out evaluation's)
+and the best by the choice rule (`choice_score`, the env's validation weights) is the RL
+stage.
 The SFT model's validation is timed first, and RL stops K such times before the budget's
 end, so the choice is paid for out of the same wall time. The last step's save is evaluated
 too, as the stage `rl_last`: what the choice gained, on the same held-out games.
@@ -50,12 +52,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from rlcore.envs import load_environment  # noqa: E402
 from rlcore.envs.tictactoe_game import REASONING_FORMATS  # noqa: E402
 from rlcore.evaluate import EvalConfig, run_eval  # noqa: E402
 from rlcore.events import ConsoleSink  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 from rlcore.train.config import RLConfig, SFTConfig, SynthConfig, build_config  # noqa: E402
 from rlcore.train.grpo import run_rl  # noqa: E402
+from rlcore.train.select import BEST, choose_save, saved_steps  # noqa: E402
 from rlcore.train.sft import run_sft  # noqa: E402
 from rlcore.train.synth import run_synth  # noqa: E402
 
@@ -66,12 +70,14 @@ HELD_OUT_SEED, VALIDATION_SEED = 10_000, 20_000
 
 
 def choice_score(rows: dict) -> float:
-    """The choice rule (tiny-master is chosen by it): draws against optimal + wins against
-    random - 2 x losses against random - 2 x the invalid-move rate (the mean of both
-    opponents'), for one model's rows of `evaluate`."""
-    invalid = (rows["random"]["invalid_move_rate"] + rows["optimal"]["invalid_move_rate"]) / 2
-    return (
-        rows["optimal"]["draw"] + rows["random"]["win"] - 2 * rows["random"]["loss"] - 2 * invalid
+    """The choice rule (tiny-master is chosen by it) for one model's rows of `evaluate`:
+    the tic-tac-toe env's own validation weights (`TicTacToeEnv.validation`, which RL's
+    `select` uses), i.e. draws against optimal + wins against random - 2 x losses against
+    random - 2 x the invalid-move rate (the mean of both opponents')."""
+    return sum(
+        weight * rows[part.name][metric.rsplit("/", 1)[-1]]
+        for part in load_environment("tictactoe").validation()
+        for metric, weight in part.weights.items()
     )
 
 
@@ -414,44 +420,50 @@ def main(argv: list[str] | None = None) -> int:
     deadline = pipeline_started + budget_s - spent - args.rl_select * times.get("select_probe", 0)
     if args.split_minutes is not None:
         deadline = min(deadline, pipeline_started + args.split_minutes * 60)
+    rl_config = settings(
+        RLConfig,
+        model=sft_dir,
+        resume_from=checkpoints["rl"] if partial else None,
+        env="tictactoe",
+        env_args={
+            **env_args,
+            "min_random_move_prob": args.rl_min_p,
+            "max_random_move_prob": args.rl_max_p,
+            "opening_moves": args.rl_opening_moves,
+            "draw_reward": args.rl_draw_reward,
+            "loss_reward": args.rl_loss_reward,
+            "think_reward": args.rl_think_reward,
+            "self_play": args.rl_self_play,
+        },
+        output_dir=str(out / "rl"),
+        max_steps=args.rl_max_steps,
+        batch_size=args.rl_batch,
+        rollouts_per_example=args.rl_group,
+        loss_type=args.rl_loss,
+        loss_aggregation=args.rl_aggregation,
+        advantage=args.rl_advantage,
+        turn_reward_weight=args.rl_turn_reward_weight,
+        sound_mass_weight=args.rl_sound_mass,
+        train_think=not args.rl_no_think_loss,
+        beta=args.rl_beta,
+        num_iterations=args.rl_iterations,
+        seed=args.seed,
+        lr=args.rl_lr,
+        warmup_steps=args.rl_warmup,
+        adam_eps=args.rl_adam_eps,
+        temperature=args.rl_temperature,
+        max_tokens=args.max_tokens,
+        micro_batch_size=args.rl_micro_batch,
+        save_every=args.rl_select_every if args.rl_select else 0,
+        select={
+            "keep": args.rl_select,
+            "num_examples": args.rl_select_games,
+            "seed": VALIDATION_SEED,
+        },
+        device=args.device,
+    )
     rl_dir = run_rl(
-        settings(
-            RLConfig,
-            model=sft_dir,
-            resume_from=checkpoints["rl"] if partial else None,
-            env="tictactoe",
-            env_args={
-                **env_args,
-                "min_random_move_prob": args.rl_min_p,
-                "max_random_move_prob": args.rl_max_p,
-                "opening_moves": args.rl_opening_moves,
-                "draw_reward": args.rl_draw_reward,
-                "loss_reward": args.rl_loss_reward,
-                "think_reward": args.rl_think_reward,
-                "self_play": args.rl_self_play,
-            },
-            output_dir=str(out / "rl"),
-            max_steps=args.rl_max_steps,
-            batch_size=args.rl_batch,
-            rollouts_per_example=args.rl_group,
-            loss_type=args.rl_loss,
-            loss_aggregation=args.rl_aggregation,
-            advantage=args.rl_advantage,
-            turn_reward_weight=args.rl_turn_reward_weight,
-            sound_mass_weight=args.rl_sound_mass,
-            train_think=not args.rl_no_think_loss,
-            beta=args.rl_beta,
-            num_iterations=args.rl_iterations,
-            seed=args.seed,
-            lr=args.rl_lr,
-            warmup_steps=args.rl_warmup,
-            adam_eps=args.rl_adam_eps,
-            temperature=args.rl_temperature,
-            max_tokens=args.max_tokens,
-            micro_batch_size=args.rl_micro_batch,
-            save_every=args.rl_select_every if args.rl_select else 0,
-            device=args.device,
-        ),
+        rl_config,
         DeadlineSink(
             deadline,
             [
@@ -471,8 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     selection = None
     if args.rl_select and args.split_minutes is None:
         started = time.monotonic()
-        checkpoints["rl_last"] = rl_dir
-        rl_dir, selection = select_checkpoint(Path(rl_dir).parent, args)
+        rl_out = Path(rl_config.output_dir)
+        checkpoints["rl_last"] = str(saved_steps(rl_out, rl_config.max_steps)[-1][1])
+        if Path(rl_dir).name == BEST:  # the step limit came first: the trainer chose
+            selection = json.loads((rl_out / "select.json").read_text())
+        else:  # stopped at the deadline: the same choice, among the saves made
+            _, selection = choose_save(rl_config, ConsoleSink())
+        rl_dir = str(rl_out / selection["chosen"])
         times["select"] = time.monotonic() - started
     times["pipeline"] = spent + time.monotonic() - pipeline_started
     checkpoints["rl"] = rl_dir
@@ -535,21 +552,6 @@ def main(argv: list[str] | None = None) -> int:
 def validate(model: str, args, label: str) -> dict:
     """`model`'s rows on the validation games (`--rl-select-games` per opponent)."""
     return evaluate(model, args.rl_select_games, args, f"select-{label}", seed=VALIDATION_SEED)
-
-
-def select_checkpoint(rl_out: Path, args) -> tuple[str, dict]:
-    """The best of the run's last `--rl-select` saves by the choice rule on the validation
-    games (the later save on a tie), and the record of every candidate."""
-    saves = sorted(d for d in rl_out.glob("step_*") if (d / "model.safetensors").is_file())
-    if not saves:
-        raise SystemExit(f"--rl-select: RL left no save in {rl_out} to choose among")
-    candidates = {}
-    for save in saves[-args.rl_select :]:
-        rows = validate(str(save), args, save.name)
-        candidates[save.name] = {"score": round(choice_score(rows), 4), **rows}
-    chosen = max(candidates, key=lambda name: (candidates[name]["score"], name))
-    record = {"games": args.rl_select_games, "seed": VALIDATION_SEED, "chosen": chosen}
-    return str(rl_out / chosen), record | {"candidates": candidates}
 
 
 def load_partial(args) -> dict:

@@ -169,6 +169,9 @@ def test_the_tictactoe_tiny_recipes_load(name, cls):
     assert cfg.env == "tictactoe" if name != "sft" else cfg.model == "tiny"
     if name in ("rl_sound", "rl_gpu"):
         assert cfg.turn_reward_weight > 0 and not cfg.loss.train_think
+        # The result chosen among saves that all exist, on games of their own seed.
+        assert cfg.select.keep > 1 and cfg.select.keep * cfg.save_every <= cfg.max_steps
+        assert cfg.select.seed not in (cfg.seed, 10_000)  # nor the held-out games'
     if name == "rl_gpu":  # the large-batch regime, every game of a step in one engine batch
         assert cfg.sound_mass_weight > 0 and cfg.batch_size >= 256
         assert 0 < cfg.env_args["self_play"] < 1  # round 41: half the games against itself

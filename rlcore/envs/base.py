@@ -190,6 +190,18 @@ def example_seed(seed: int, index: int) -> int:
 # Environments
 
 
+@dataclass(frozen=True)
+class Validation:
+    """One set of validation games and what it counts for in a checkpoint's score (RL's
+    `select`): the env's params changed for these games (`env_args`, over the run's own),
+    and a weight for each metric of their summary, by `summary_metrics` name
+    ("reward/mean", "outcome/win", "tictactoe/invalid_move_rate")."""
+
+    name: str
+    env_args: dict
+    weights: dict[str, float]
+
+
 @dataclass
 class MoveOptions:
     """A judged move of a reply and the other moves its position allowed (see
@@ -279,6 +291,12 @@ class Environment(ABC):
         turn, and (the default) from an env without per-move verdicts. RL's
         `sound_mass_weight` judges every option of every such turn."""
         return None
+
+    def validation(self) -> list[Validation]:
+        """What makes one checkpoint better than another, as games to play: RL's `select`
+        plays each set greedily on every candidate save and sums the weighted metrics. The
+        default: the env as the run configured it, scored by its mean reward."""
+        return [Validation("reward", {}, {"reward/mean": 1.0})]
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are

@@ -36,7 +36,14 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlcore.envs.base import Fact, MoveOptions, MultiTurnEnv, Param, example_seed
+from rlcore.envs.base import (
+    Fact,
+    MoveOptions,
+    MultiTurnEnv,
+    Param,
+    Validation,
+    example_seed,
+)
 from rlcore.envs.tictactoe_game import (
     EMPTY,
     REASONING_FORMATS,
@@ -584,6 +591,26 @@ class TicTacToeEnv(MultiTurnEnv):
         return [
             ((1.0 if s is True else 0.0) + (bonus if t else 0.0)) if f else 0.0
             for s, t, f in zip(sound, thinks, formed, strict=True)
+        ]
+
+    def validation(self) -> list[Validation]:
+        """Full games (no opening moves, no self-play) against the random opponent and
+        against the perfect one, scored by the choice rule: draws against optimal + wins
+        against random - 2 x losses against random - 2 x the invalid-move rate (the mean
+        of both sets'). `tiny-master` was chosen by it."""
+        full_games = {"opening_moves": 0, "self_play": 0.0}
+        invalid = {"tictactoe/invalid_move_rate": -1.0}
+        return [
+            Validation(
+                "random",
+                {**full_games, "min_random_move_prob": 1.0, "max_random_move_prob": 1.0},
+                {"outcome/win": 1.0, "outcome/loss": -2.0, **invalid},
+            ),
+            Validation(
+                "optimal",
+                {**full_games, "min_random_move_prob": 0.0, "max_random_move_prob": 0.0},
+                {"outcome/draw": 1.0, **invalid},
+            ),
         ]
 
     def move_options(self, rollout: Rollout, turn: int, reply: str) -> MoveOptions | None:

@@ -81,6 +81,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "beta": (0.0, 100.0),
     "num_iterations": (1, 1000),
     "log_rollouts": (0, 1_048_576),
+    "keep": (0, 10_000),
 }
 # Numbers that must be strictly above their lower bound.
 ABOVE_LOW = {"lr", "top_p", "adam_eps"}
@@ -181,6 +182,22 @@ class LossConfig:
     """false: each reply's think block (its tokens through `</think>`) is left out of the
     loss, so RL trains the answer only; for a reasoning routine learnt in SFT that RL's noisy
     per-move advantages would otherwise wear down (docs/mastery.md, fourth session)"""
+
+
+@dataclass
+class SelectConfig:
+    """Which save is the run's result: with `keep` > 1, the best of the last saves by the
+    env's validation games (Environment.validation), played greedily on each; saves 25
+    steps apart differ as much as seeds do (docs/mastery.md, twenty-seventh session)."""
+
+    keep: int = 0
+    """choose the result among the run's last this many saves (one every `save_every`
+    steps, and the last step's), copied to `best/`; 0 or 1: the last step is the result"""
+    num_examples: int = 500
+    """validation games per set of the env's validation, per save"""
+    seed: int = 20_000
+    """example seed of the validation games: keep it apart from the run's own `seed` and
+    from the held-out games you report"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,6 +367,8 @@ class RLConfig:
     """how rollouts are sampled"""
     loss: LossConfig = field(default_factory=LossConfig)
     """the policy loss"""
+    select: SelectConfig = field(default_factory=SelectConfig)
+    """which save is the run's result"""
 
     def cross_checks(self) -> dict[str, str]:
         errors = {}
@@ -369,6 +388,11 @@ class RLConfig:
             errors["scale_rewards"] = "applies to advantage 'group' only"
         elif self.scale_rewards and self.loss.type == "dr_grpo":
             errors["scale_rewards"] = "contradicts loss type dr_grpo (no std scaling)"
+        if self.select.keep > 1 and not self.save_every:
+            errors["select.keep"] = (
+                f"chooses among saves: set save_every (steps between saves), got keep "
+                f"{self.select.keep} with save_every 0"
+            )
         if not self.sampling.temperature > 0:
             errors["sampling.temperature"] = (
                 f"must be > 0 for training (logprobs are taken at it), got {self.sampling.temperature}"

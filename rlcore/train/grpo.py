@@ -79,6 +79,7 @@ from rlcore.train.distributed import (
     placement_devices,
 )
 from rlcore.train.sampling import StratifiedSampler, rollout_sample
+from rlcore.train.select import choose_save
 from rlcore.train.sequences import (
     TrainingSequence,
     collate,
@@ -94,7 +95,7 @@ from rlcore.train.sound_mass import attach_move_sets
 from rlcore.types import Rollout, SamplingParams
 
 # Config fields a resumed run may change without changing what it computes.
-RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement"}  # fmt: skip
+RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement", "select.keep", "select.num_examples", "select.seed"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -629,4 +630,6 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
     path = checkpoint(cfg.max_steps, output_dir / "final")
     milestones.summary()
     sink.log(f"rl: final checkpoint {path}")
+    if cfg.select.keep > 1:  # the result: the best of the last saves on validation games
+        path, _ = choose_save(cfg, sink)
     return path

@@ -78,7 +78,7 @@ def test_a_few_rl_steps_of_the_tiny_model(alice, alice_client, ttt_config, tiny,
     job, listener = create_job_with_listener(
         owner=alice, kind="rl", env_config=ttt_config, model=tiny,
         options={"batch_size": 4, "rollouts_per_example": 2, "max_steps": 2, "max_tokens": 24,
-                 "save_every": 1, "device": "cpu"},
+                 "save_every": 1, "device": "cpu", "num_examples": 3},
     )  # fmt: skip
     messages = listener.collect()
     job = wait_for_job(job)
@@ -102,7 +102,16 @@ def test_a_few_rl_steps_of_the_tiny_model(alice, alice_client, ttt_config, tiny,
         r"rl: \w+ on tictactoe, 2 examples x 2 rollouts per step, steps 1..2, training on cpu",
         lines[0],
     )
-    assert lines[-1] == f"rl: final checkpoint {job.result['checkpoint']}"
+    # The default recipe (rl_sound) ends by choosing among the last saves on validation
+    # games (3 a set here): the result is best/, a checkpoint alice can pick too.
+    out = job.config["output_dir"]
+    assert lines[-3:-1] == [
+        f"rl: final checkpoint {out}/final",
+        "select: 2 saves (steps 1..2) x 3 greedy games of random, optimal",
+    ]
+    assert lines[-1].startswith("select: chose ") and lines[-1].endswith(f"copied to {out}/best")
+    assert job.result["checkpoint"] == f"{out}/best"
+    assert Metric.objects.filter(job=job, name="select/score").count() == 2
     batch_steps = [b["last_step"] for b in updates(messages) if b["metrics"]]
     assert 1 in batch_steps and 2 in batch_steps
 
