@@ -95,7 +95,8 @@ def test_a_run_with_a_single_save_takes_it_without_games(tiny_model, tmp_path):
 
 
 def test_saves_are_found_in_step_order_and_incomplete_ones_skipped(tmp_path):
-    for name in ("step_000010", "step_000002", "final", "step_000005", "notes", "step_x"):
+    names = ("step_000010", "step_000002", "final", "step_000005", "notes", "step_x", "step_000020")
+    for name in names:  # step 20: an earlier, longer run's, past this run's last step
         (tmp_path / name).mkdir()
         (tmp_path / name / TRAINER_STATE).write_bytes(b"")
     (tmp_path / "step_000007").mkdir()  # weights written, trainer state not yet: incomplete

@@ -27,7 +27,8 @@ BEST = "best"
 
 def saved_steps(output_dir: Path, final_step: int) -> list[tuple[int, Path]]:
     """(step, directory) of each complete save of a run (weights and trainer state), in
-    step order: `step_NNNNNN/`, and `final/` at `final_step`."""
+    step order: `step_NNNNNN/`, and `final/` at `final_step`; a save past `final_step`
+    (left in the directory by an earlier, longer run) is not this run's."""
     saves = []
     for path in output_dir.iterdir() if output_dir.is_dir() else []:
         if not (path / TRAINER_STATE).is_file():
@@ -35,7 +36,8 @@ def saved_steps(output_dir: Path, final_step: int) -> list[tuple[int, Path]]:
         if path.name == "final":
             saves.append((final_step, path))
         elif path.name.startswith("step_") and path.name[5:].isdigit():
-            saves.append((int(path.name[5:]), path))
+            step = int(path.name[5:])
+            saves += [(step, path)] if step <= final_step else []
     return sorted(saves, key=lambda save: (save[0], save[1].name == "final"))
 
 
