@@ -16,8 +16,8 @@ run's last K saves (one every `--rl-select-every` steps) by the trainer's own ch
 opponent (their own seed, apart from the training streams and the held-out evaluation's)
 and the best by the choice rule (`choice_score`, the env's validation weights) is the RL
 stage.
-The SFT model's validation is timed first, and RL stops K such times before the budget's
-end, so the choice is paid for out of the same wall time. The last step's save is evaluated
+The first save's validation is timed as it is made, and RL stops K such times before the
+budget's end, so the choice is paid for out of the same wall time. The last step's save is evaluated
 too, as the stage `rl_last`: what the choice gained, on the same held-out games.
 
 Prints the base / SFT / RL table and each stage's wall time; writes
@@ -82,16 +82,36 @@ def choice_score(rows: dict) -> float:
 
 
 class DeadlineSink(ConsoleSink):
-    """Console output plus a stop request once the stage's wall-time deadline passes."""
+    """Console output plus a stop request once the stage's wall-time deadline passes. With
+    `probe`, the first save is handed to it and the deadline moves that many seconds
+    earlier (the room the choice among saves needs)."""
 
     def __init__(
-        self, deadline: float, metric_keys: list[str], metrics_path: Path, append: bool = False
+        self,
+        deadline: float,
+        metric_keys: list[str],
+        metrics_path: Path,
+        append: bool = False,
+        split: float | None = None,
+        probe=None,
     ):
         super().__init__(metric_keys=metric_keys)
-        self.deadline = deadline
+        self.budget_end, self.split = deadline, split
+        self.probe = probe
         self.first_progress: tuple[float, int] | None = None
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         self.metrics_file = metrics_path.open("a" if append else "w")
+
+    @property
+    def deadline(self) -> float:
+        """The budget's end, or the split's where that comes first."""
+        return min(self.budget_end, self.split if self.split is not None else self.budget_end)
+
+    def checkpoint(self, step: int, path: str) -> None:
+        super().checkpoint(step, path)
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            self.budget_end -= probe(path)
 
     def metric(self, step: int, values: dict[str, float]) -> None:
         """Shown on the console; every metric of every step kept in `metrics_path`."""
@@ -402,10 +422,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         times["sft"] = time.monotonic() - started
         checkpoints["sft"] = sft_dir
-        if args.rl_select:  # what one checkpoint's validation costs, to keep room for K
-            started = time.monotonic()
-            validate(sft_dir, args, "sft")
-            times["select_probe"] = time.monotonic() - started
     else:  # the second part of a split run: synth and SFT are the first part's
         times, checkpoints, synth = (
             partial["wall_seconds"],
@@ -418,8 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     # 3. RL for whatever is left of the budget (or until the split).
     started = time.monotonic()
     deadline = pipeline_started + budget_s - spent - args.rl_select * times.get("select_probe", 0)
-    if args.split_minutes is not None:
-        deadline = min(deadline, pipeline_started + args.split_minutes * 60)
+    split = pipeline_started + args.split_minutes * 60 if args.split_minutes is not None else None
+
+    def probe(save: str) -> float:
+        """What the choice among K saves will cost, from the first save's validation (a
+        trained policy's games, on the card as loaded then): the room RL leaves for it."""
+        started = time.monotonic()
+        validate(save, args, "probe")
+        times["select_probe"] = time.monotonic() - started
+        return args.rl_select * times["select_probe"]
+
     rl_config = settings(
         RLConfig,
         model=sft_dir,
@@ -477,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             ],
             out / "rl" / "metrics.jsonl",
             append=partial is not None,
+            split=split,
+            probe=probe if args.rl_select and "select_probe" not in times else None,
         ),
     )
     times["rl"] = times.get("rl", 0.0) + time.monotonic() - started

@@ -52,7 +52,7 @@ def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_pa
     partial = json.loads((root / "a.part.json").read_text())
     assert partial["partial"] and "stages" not in partial  # nothing evaluated yet
     assert partial["wall_seconds"]["pipeline"] < 0.5 * 60 + 10
-    assert partial["wall_seconds"]["select_probe"] > 0  # the SFT model's validation, timed
+    assert partial["wall_seconds"]["select_probe"] > 0  # the first save's validation, timed
     steps_first = len((root / "a" / "rl" / "metrics.jsonl").read_text().splitlines())
     assert steps_first >= 1 and f"{steps_first} RL steps" in first.stdout
 
@@ -78,7 +78,7 @@ def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_pa
     # Both parts' wall time together is the one budget (the second part's start included).
     seconds = run["wall_seconds"]
     assert seconds["first_part"] == pytest.approx(partial["wall_seconds"]["pipeline"], abs=0.1)
-    # RL stopped 2 validations' time (as the SFT model's took) early, and the choice of
+    # RL stopped 2 validations' time (as the first save's took) early, and the choice of
     # the checkpoint was spent in that room.
     room = 2 * seconds["select_probe"]
     assert 1 * 60 - 1 - room <= seconds["pipeline"] < 1 * 60 + 15 and seconds["select"] > 0

@@ -219,7 +219,14 @@ def test_an_rl_job_of_the_tiny_model_draws_each_step_and_keeps_its_checkpoint(
     expect(page.locator("#progress-text")).to_have_text(f"rl {RL_STEPS}/{RL_STEPS}")
     expect(page.locator("#log-tail")).to_contain_text("rl: grpo on tictactoe, 2 examples x 4")
     expect(page.locator("#log-tail")).to_contain_text("rl: final checkpoint")
-    expect(page.locator("#checkpoints li").last).to_contain_text("final")
+    # rl_sound chooses its result among its last saves ([select]); 3 steps made one save,
+    # taken as it is and listed after it as best/.
+    expect(page.locator("#log-tail")).to_contain_text(
+        "select: one save (final), taken without games"
+    )
+    expect(page.locator("#checkpoints li", has_text="/final")).to_have_count(1)
+    expect(page.locator("#checkpoints li").last).to_contain_text(f"step {RL_STEPS}:")
+    expect(page.locator("#checkpoints li").last).to_contain_text("/best")
     expect(page.locator("#rollout-feed li").first).to_be_visible()
     [(stored,)] = stack.sql("select count(*) from jobs_rollout where job_id = %s", job_id)
     assert stored == RL_STEPS * 8  # every rollout of every step (log_rollouts)
