@@ -35,7 +35,8 @@ chromium:
 	$(call apt_install,chromium,chromium,for the browser environment)
 
 install: $(VENV)/.installed bubblewrap chromium
-install-dev: $(VENV)/.installed-dev
+# `make test` needs what `make run` does: the sandbox and browser tests run the real jail and browser.
+install-dev: $(VENV)/.installed-dev bubblewrap chromium
 
 run: install
 	scripts/run.sh

@@ -10,8 +10,10 @@ time limit; `--die-with-parent` takes the jail down if the lab process dies firs
 `--new-session` keeps the program off the lab's terminal.
 
 Process limits count per user, so when the lab runs as root (where the kernel exempts
-the count entirely) each concurrent run drops to its own unused uid from `SANDBOX_UIDS`;
-as an ordinary user, the run's user namespace is what the count is kept in.
+the count entirely) each concurrent run drops to its own unused uid from `SANDBOX_UIDS`,
+leased across every process of the host (a lock file a uid, `_UidLease`): two workers'
+jails never share a uid, so one's program can neither signal the other's nor count against
+its limit. As an ordinary user, the run's user namespace is what the count is kept in.
 
 There is no fallback: when bubblewrap is missing or the kernel refuses it namespaces,
 `Sandbox.check` raises `SandboxUnavailable` saying why, and nothing runs unsandboxed.
@@ -20,13 +22,14 @@ There is no fallback: when bubblewrap is missing or the kernel refuses it namesp
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
-import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +58,46 @@ def readable_harness() -> Path:
 # Unused uids the jails run as when the lab is root: one per concurrent run, so one run's
 # processes never count against another's limit (and no real account is borrowed).
 SANDBOX_UIDS = range(61000, 61064)
+# Where the uid leases are held (root only: the uids are used only when the lab is root).
+UID_LEASE_DIR = Path("/run/rlcore-sandbox-uids")
 MAX_OUTPUT_BYTES = 1 << 20
+
+
+class _UidLease:
+    """A uid of `SANDBOX_UIDS` held by this run alone, across the host's processes: an
+    exclusive lock on the uid's file in `UID_LEASE_DIR` (released with the file, so a
+    killed worker's leases free themselves). Waits while every uid is held."""
+
+    def __init__(self, directory: Path = UID_LEASE_DIR):
+        directory.mkdir(mode=0o700, exist_ok=True)
+        info = directory.lstat()
+        if not directory.is_dir() or directory.is_symlink() or info.st_uid != os.geteuid():
+            raise SandboxUnavailable(
+                f"{directory} is not a directory of this user's for uid leases"
+            )
+        self.directory = directory
+
+    def acquire(self) -> tuple[int, int]:
+        """(uid, the open lock file's descriptor)."""
+        while True:
+            for uid in SANDBOX_UIDS:
+                if (fd := self.hold(uid)) is not None:
+                    return uid, fd
+            time.sleep(0.05)
+
+    def hold(self, uid: int) -> int | None:
+        """The lock of `uid` if no one holds it (its descriptor), else None."""
+        fd = os.open(self.directory / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)  # closing the only descriptor drops the lock
 
 
 # bwrap's outer process exits as soon as it learns the program's status, leaving its
@@ -158,9 +200,9 @@ class Sandbox:
         self.bwrap = bwrap
         self.python = python or jail_python()
         self.reaper_python = jail_python()
-        self._uids: queue.Queue[int | None] = queue.Queue()
-        for slot in range(slots):
-            self._uids.put(SANDBOX_UIDS[slot % len(SANDBOX_UIDS)] if os.geteuid() == 0 else None)
+        self._slots = threading.BoundedSemaphore(slots)  # this sandbox's concurrent runs
+        self._lease = _UidLease() if os.geteuid() == 0 else None
+        self.used_uids: set[int] = set()  # every uid a run of this sandbox has had
         self._checked = False
 
     # -- the jail ------------------------------------------------------------------------
@@ -234,7 +276,10 @@ class Sandbox:
     def run(self, argv: list[str], stdin: bytes = b"") -> JailResult:
         """Run `argv` in a fresh jail and wait for it (at most the wall-time limit)."""
         command = self.command(argv)
-        uid = self._uids.get()
+        self._slots.acquire()
+        uid, lease = self._lease.acquire() if self._lease is not None else (None, None)
+        if uid is not None:
+            self.used_uids.add(uid)
         started = time.monotonic()
         try:
             with (
@@ -279,7 +324,9 @@ class Sandbox:
                     seconds=seconds,
                 )
         finally:
-            self._uids.put(uid)
+            if lease is not None:
+                _UidLease.release(lease)
+            self._slots.release()
 
     def check(self) -> None:
         """Raise SandboxUnavailable, with bwrap's own words, unless a jail can be built."""

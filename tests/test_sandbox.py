@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,9 +29,25 @@ def verifier() -> CodeVerifier:
     return CodeVerifier(limits, parallel_jails=2, test_seconds=1.0)
 
 
-def jailed_processes(*, zombies: bool = False) -> list[int]:
-    """Processes running as one of the jails' uids (only meaningful as root); with
-    `zombies`, the dead ones not yet reaped instead."""
+def jailed_processes(verifier: CodeVerifier, *, zombies: bool = False) -> list[int]:
+    """Processes running as one of the uids `verifier`'s jails had that no jail holds now
+    (only meaningful as root; a uid another test process's jail has leased since is
+    skipped); with `zombies`, the dead ones not yet reaped instead."""
+    from rlcore.sandbox import _UidLease
+
+    lease, uids, held = _UidLease(), set(), []
+    for uid in verifier.sandbox.used_uids:
+        if (fd := lease.hold(uid)) is not None:
+            uids.add(uid)
+            held.append(fd)
+    try:
+        return _processes_of(uids, zombies)
+    finally:
+        for fd in held:
+            _UidLease.release(fd)
+
+
+def _processes_of(uids: set[int], zombies: bool) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -39,7 +56,7 @@ def jailed_processes(*, zombies: bool = False) -> list[int]:
                 state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except (FileNotFoundError, ProcessLookupError):
                 continue
-            if owner in SANDBOX_UIDS and (state == "Z") == zombies:
+            if owner in uids and (state == "Z") == zombies:
                 found.append(int(entry))
     return found
 
@@ -49,7 +66,7 @@ def assert_worker_unharmed(verifier: CodeVerifier) -> None:
     scored normally."""
     os.kill(os.getpid(), 0)
     if os.geteuid() == 0:
-        assert jailed_processes() == []
+        assert verifier.sandbox.used_uids and jailed_processes(verifier) == []
     assert verifier.verify(TASK, TASK.solution).passed == len(TASK.tests)
 
 
@@ -167,10 +184,11 @@ def test_each_run_gets_a_fresh_scratch_dir(verifier):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="jails run as their own uids only under root")
 def test_runs_leave_no_zombies_behind(verifier):
-    before = set(jailed_processes(zombies=True))
+    verifier.verify(TASK, TASK.solution)
+    before = set(jailed_processes(verifier, zombies=True))
     for _ in range(3):
         verifier.verify(TASK, TASK.solution)
-    assert set(jailed_processes(zombies=True)) <= before
+    assert set(jailed_processes(verifier, zombies=True)) <= before
 
 
 def test_output_floods_are_cut_by_the_file_size_limit(verifier):
@@ -258,3 +276,41 @@ def test_the_harness_is_bound_from_where_the_jail_s_user_can_read_it():
     assert source.stat().st_mode & 0o004  # readable by others
     for parent in source.parents:
         assert parent.stat().st_mode & 0o001, parent  # every directory traversable
+
+
+LEASE_HOLDER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from rlcore.sandbox import _UidLease
+uid, _ = _UidLease().acquire()
+print(uid, flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="jails run as their own uids only under root")
+def test_jails_of_two_workers_never_share_a_uid():
+    """Two worker processes on one host, each with its own sandbox: while one holds a uid,
+    the other's runs take another, so neither's programs can signal the other's; a killed
+    worker's uid frees itself."""
+    from rlcore.sandbox import _UidLease
+
+    root = str(Path(__file__).parent.parent)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LEASE_HOLDER, root], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        held = int(holder.stdout.readline())
+        uid, lease = _UidLease().acquire()
+        _UidLease.release(lease)
+        assert uid != held and uid in SANDBOX_UIDS
+    finally:
+        holder.kill()
+        holder.wait()
+    # The killed holder's lock went with its process: its uid is free again.
+    leases = [_UidLease().acquire() for _ in SANDBOX_UIDS]
+    try:
+        assert held in {uid for uid, _ in leases}
+    finally:
+        for _, lease in leases:
+            _UidLease.release(lease)
