@@ -85,8 +85,9 @@ def config(
         overrides = [
             f"model={model}", f"batch_size={games}", f"concurrency={games}",
             f"micro_batch_size={micro_batch_size}", "save_every=0", f"device={device}",
-            f"output_dir={output_dir}", "max_steps=1000000",
+            f"output_dir={output_dir}", "max_steps=1000000", "select.keep=1",
         ]  # fmt: skip
+        # (select.keep=1: no saves, so no choice among them)
         cfg = load_config(RLConfig, recipe, overrides)
         if cfg.loss.beta > 0:  # the step below holds no reference model
             raise SystemExit(f"--recipe {recipe}: beta = {cfg.loss.beta} needs a reference model")

@@ -136,22 +136,28 @@ def fixed_batch(vocabulary: int) -> list[TrainingSequence]:
     return sequences
 
 
+def fixed_update(settings: dict) -> tuple[dict, dict]:
+    """One RL update of `settings` on the fixed batch, each rank on its share of the
+    sequences, the loss over the whole batch's normalizer; also the follower's entry."""
+    cfg = build_config(RLConfig, [("test", settings)])
+    learner, tokenizer, _ = build_learner(cfg, torch.device("cpu"), never)
+    sequences = fixed_batch(len(tokenizer))
+    normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
+    metrics = learn(learner, current_ranks().deal(sequences), normalizer, cfg)
+    return metrics, {k: v.clone() for k, v in learner.model.state_dict().items()}
+
+
 def test_two_ranks_take_the_same_rl_update_as_one_process(tiny_model, tmp_path):
     # Two updates per batch and a KL term: the scoring pass and the reference run too.
-    cfg = rl_config(tiny_model, tmp_path, "fixed", num_iterations=2, beta=0.1)
+    settings = rl_config(tiny_model, tmp_path, "fixed", num_iterations=2, beta=0.1).to_dict()
 
-    def update() -> tuple[dict, dict]:
-        learner, tokenizer, _ = build_learner(cfg, torch.device("cpu"), never)
-        sequences = fixed_batch(len(tokenizer))
-        normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
-        ranks = current_ranks()
-        metrics = learn(learner, ranks.share(sequences, normalizer), normalizer, cfg)
-        ranks.end()
-        return metrics, {k: v.clone() for k, v in learner.model.state_dict().items()}
-
-    alone, alone_weights = update()
+    alone, alone_weights = fixed_update(settings)
     together, together_weights = launch(
-        update, "rlcore.train.distributed:follow_rl", cfg.to_dict(), processes=2, backend="gloo"
+        lambda: fixed_update(settings),
+        "tests.test_distributed:fixed_update",
+        settings,
+        processes=2,
+        backend="gloo",
     )
 
     names = ["loss/policy", "loss/total", "loss/kl", "optim/grad_norm"]
@@ -187,8 +193,8 @@ def formatted_model(tiny_model, tmp_path_factory) -> str:
     return run_sft(build_config(SFTConfig, [("test", settings)]))
 
 
-def test_split_and_data_parallel_runs_train_like_a_colocated_one(formatted_model, tmp_path):
-    runs = {"colocated": RecordingSink(), "split": RecordingSink(), "parallel": RecordingSink()}
+def test_a_split_run_trains_like_a_colocated_one(formatted_model, tmp_path):
+    runs = {"colocated": RecordingSink(), "split": RecordingSink()}
     finals = {
         "colocated": run_rl_ranks(
             rl_config(formatted_model, tmp_path, "colocated", max_steps=2, lr=1e-3),
@@ -198,24 +204,48 @@ def test_split_and_data_parallel_runs_train_like_a_colocated_one(formatted_model
             rl_config(formatted_model, tmp_path, "split", max_steps=2, lr=1e-3, placement="split"),
             runs["split"],
         ),
-        "parallel": run_rl_ranks(
-            rl_config(formatted_model, tmp_path, "parallel", max_steps=2, lr=1e-3),
-            runs["parallel"],
-            processes=2,
-        ),
     }
 
     names = ["reward/mean", "loss/policy", "optim/grad_norm", "policy/logprob_mismatch"]
-    for name in ("split", "parallel"):
-        for (_, alone), (_, other) in zip(
-            runs["colocated"].metrics, runs[name].metrics, strict=True
-        ):
-            assert alone["optim/grad_norm"] > 0
-            assert_same_metrics(alone, other, names)
-        assert_same_weights(final_weights(finals["colocated"]), final_weights(finals[name]))
+    for (_, alone), (_, other) in zip(
+        runs["colocated"].metrics, runs["split"].metrics, strict=True
+    ):
+        assert alone["optim/grad_norm"] > 0
+        assert_same_metrics(alone, other, names)
+    assert_same_weights(final_weights(finals["colocated"]), final_weights(finals["split"]))
     # Step 2's rollouts came from the weights after step 1: the logprobs they were sampled
     # with match the trainer's only if the split run's generation copy got those weights.
     assert runs["split"].metrics[1][1]["policy/logprob_mismatch"] < 1e-5
+
+
+def test_data_parallel_ranks_each_roll_out_their_share_and_take_the_same_steps(
+    formatted_model, tmp_path
+):
+    sink = RecordingSink()
+    cfg = rl_config(
+        formatted_model, tmp_path, "parallel", max_steps=2, lr=1e-3, processes=2, log_rollouts=16
+    )
+    final = run_rl_ranks(cfg, sink)  # the config's processes
+
+    # Rank 0 rolled out examples 0 and 2 of each step, rank 1 examples 1 and 3: rank 0 logs
+    # all 16 rollouts, each example's group whole.
+    assert [step for step, _ in sink.rollout_batches] == [1, 2]
+    for step, rollouts in sink.rollout_batches:
+        assert len(rollouts) == 16, step
+        # The sample lists the first rollout of each example, then the second...
+        rounds = [[r.example_id for r in rollouts[i : i + 4]] for i in (0, 4, 8, 12)]
+        # ... and rank 0's examples come before rank 1's: 0 and 2 of the step, then 1 and 3.
+        first = 4 * (step - 1)
+        assert all(ids == [first, first + 2, first + 1, first + 3] for ids in rounds), rounds
+    assert [step for step, _ in sink.metrics] == [1, 2]
+    for _, metrics in sink.metrics:
+        assert metrics["optim/grad_norm"] > 0
+        # Every rank's replies were sampled from its own model with the weights it trains.
+        assert metrics["policy/logprob_mismatch"] < 1e-5
+    # The final weights are rank 0's, and rank 1 checked in the same ones.
+    assert any("2 data-parallel ranks end with the same weights" in m for _, m in sink.logs)
+    assert final_weights(final).keys()
+    assert "Traceback" not in (tmp_path / "parallel" / "ranks" / "rank_1.log").read_text()
 
 
 def test_the_generation_copy_follows_the_trainer_in_place(tiny_model):
@@ -297,13 +327,13 @@ def test_a_rank_that_fails_fails_the_run_with_the_end_of_its_log(tiny_model, tmp
     broken = cfg.to_dict() | {"model": str(tmp_path / "no-such-model")}
 
     def main():
-        return current_ranks().share([], 1.0)  # waits for a follower that is gone
+        return current_ranks().gather(None)  # waits for a follower that is gone
 
     with pytest.raises(RankFailed, match="rank 1 exited with 1") as failure:
         launch(
             main,
             "rlcore.train.distributed:follow_rl",
-            broken,
+            {"settings": broken, "engine": "local"},
             processes=2,
             backend="gloo",
             log_dir=tmp_path / "ranks",
@@ -324,3 +354,33 @@ def test_a_rank_that_cannot_start_fails_the_run_at_once(tiny_model, tmp_path, mo
             log_dir=tmp_path / "ranks",
         )
     assert time.monotonic() - started < 30  # not the collective timeout (30 minutes)
+
+
+class StopAfterFirstStep(RecordingSink):
+    def metric(self, step: int, values: dict[str, float]) -> None:
+        super().metric(step, values)
+        self.stop_requested = True
+
+
+def test_a_stop_request_ends_every_data_parallel_rank_after_the_step(formatted_model, tmp_path):
+    sink = StopAfterFirstStep()
+    cfg = rl_config(formatted_model, tmp_path, "stopped", max_steps=5, processes=2)
+    path = run_rl_ranks(cfg, sink)
+
+    assert [step for step, _ in sink.metrics] == [1]
+    assert path.endswith("step_000001")
+    assert any("stopped on request inside step 2" in m for _, m in sink.logs)
+    assert "Traceback" not in (tmp_path / "stopped" / "ranks" / "rank_1.log").read_text()
+
+
+def test_processes_name_what_they_need(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="processes .*placement 'split'") as split:
+        rl_config(tiny_model, tmp_path, "a", processes=2, placement="split")
+    assert "processes" in split.value.errors
+    # 16 rollouts in groups of 4 are 4 examples: 5 processes would leave one without any.
+    with pytest.raises(ConfigError, match="processes each process rolls out at least one"):
+        rl_config(tiny_model, tmp_path, "a", processes=5)
+    with pytest.raises(ConfigError, match="processes must be at most 64"):
+        rl_config(tiny_model, tmp_path, "a", processes=65)
+    assert data_parallel_processes(0, rl_config(tiny_model, tmp_path, "a", processes=4)) == 4
+    assert data_parallel_processes(2, rl_config(tiny_model, tmp_path, "a", processes=4)) == 4

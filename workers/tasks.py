@@ -199,8 +199,9 @@ def execute(job: Job, sink: DatabaseSink, engine: str = "local") -> tuple[dict |
         with served_config(job, config, engine) as config:
             stats = run_synth(build_config(SynthConfig, [("job config", config)]), sink)
         return stats, dict(stats)
-    # A training job on n > 1 GPUs runs data-parallel over n processes, this one rank 0
-    # (rlcore/train/distributed.py), unless its RL run splits placement over two GPUs.
+    # A training job on n > 1 GPUs runs data-parallel over n processes (an RL config's
+    # `processes`, where it asks for more), this one rank 0 (rlcore/train/distributed.py),
+    # unless its RL run splits placement over two GPUs.
     if job.kind == Job.Kind.SFT:
         from rlcore.train.config import SFTConfig, build_config
         from rlcore.train.distributed import data_parallel_processes, run_sft_ranks

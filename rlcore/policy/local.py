@@ -145,7 +145,8 @@ class LocalEngine(Policy):
     decoder on a GPU, 64 otherwise. `prefix_cache_bytes`: what the engine may keep of
     earlier prompts and replies to start later ones from (kv_cache.py); 0 turns it off, None
     is 512 MiB for the dynamic loop and a quarter of the GPU's memory for the static decoder
-    (a step of 1,024 tic-tac-toe games keeps ~3 GB of the tiny model's keys and values).
+    (a step of 1,024 tic-tac-toe games keeps ~3 GB of the tiny model's keys and values),
+    divided among `gpu_sharers` engines (the processes of a run that share the GPU).
     """
 
     def __init__(
@@ -160,6 +161,7 @@ class LocalEngine(Policy):
         should_stop: Callable[[], bool] | None = None,
         decode: str = "auto",
         prefix_cache_bytes: int | None = None,
+        gpu_sharers: int = 1,
     ):
         if max_batch_size is not None and max_batch_size < 1:
             raise PolicyError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -213,7 +215,7 @@ class LocalEngine(Policy):
                 import torch
 
                 total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
-                prefix_cache_bytes = total // 4
+                prefix_cache_bytes = total // 4 // max(gpu_sharers, 1)
         self.prefix_cache = (
             PrefixCache(prefix_cache_bytes)
             if prefix_cache_bytes > 0 and (self._plain_layers or decode == "static")

@@ -72,12 +72,14 @@ def rollout_engine(
     path: str | None = None,
     should_stop: Callable[[], bool] | None = None,
     warn: Callable[[str], None] | None = None,
+    gpu_sharers: int = 1,
     **vllm_options,
 ) -> tuple[Policy, str]:
     """The policy RL rollouts sample from and the name of the engine it is: `engine`
     "vllm" where vLLM can run (initialised from `path`, then the trainer's weights), else
     the local engine on the trainer's own `model`, after `warn` (default: the logger) was
-    told why."""
+    told why. `gpu_sharers`: the run's processes on the local engine's GPU, which split
+    what it may keep of earlier prompts."""
     if engine not in ("local", "vllm"):
         raise PolicyError(f"unknown engine {engine!r}; accepted: local, vllm")
     if engine == "vllm":
@@ -90,7 +92,12 @@ def rollout_engine(
             return vllm_engine, "vllm"
         (warn or logger.warning)(f"engine vllm asked for, running on the local engine: {reason}")
     local = LocalEngine(
-        None, model=model, tokenizer=tokenizer, name="policy", should_stop=should_stop
+        None,
+        model=model,
+        tokenizer=tokenizer,
+        name="policy",
+        should_stop=should_stop,
+        gpu_sharers=gpu_sharers,
     )
     return local, "local"
 

@@ -94,9 +94,9 @@ def _run(kind: str, cfg, sink: RunSink) -> str:
         from rlcore.train.sft import run_sft
 
         return f"final checkpoint: {run_sft(cfg, sink)}"
-    from rlcore.train.grpo import run_rl
+    from rlcore.train.distributed import run_rl_ranks  # one process unless `processes`
 
-    return f"final checkpoint: {run_rl(cfg, sink)}"
+    return f"final checkpoint: {run_rl_ranks(cfg, sink)}"
 
 
 def main(kind: str, argv: list[str]) -> int:

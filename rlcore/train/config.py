@@ -74,6 +74,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "max_grad_norm": (0.0, 1e6),
     "max_seq_len": (1, 1_048_576),
     "save_every": (0, 10_000_000),
+    "processes": (1, 64),
     "turn_reward_weight": (0.0, 1000.0),
     "sound_mass_weight": (0.0, 1000.0),
     "clip_eps_low": (0.0, 1.0),
@@ -324,6 +325,13 @@ class RLConfig:
     (one GPU); "split" generates on cuda:0 and trains on cuda:1, copying the weights to
     the generation side after every optimizer step (needs two GPUs; on device cpu both
     sides are the CPU)"""
+    processes: int = 1
+    """processes that run each step side by side (data parallel): each rolls out its share
+    of the step's examples with its own engine, scores them and trains on their sequences,
+    and the gradients are summed over the processes, so the update is one step on the whole
+    batch. On a GPU worker a step's host work (the games, the prompts, the engine's
+    bookkeeping) then runs on that many CPU cores; more processes than GPUs share them
+    (process r on GPU r mod the count). A job on several GPUs runs at least one a GPU"""
     max_steps: int = 100
     """optimizer steps (one batch of rollouts each)"""
     batch_size: int = 32
@@ -388,6 +396,17 @@ class RLConfig:
             errors["scale_rewards"] = "applies to advantage 'group' only"
         elif self.scale_rewards and self.loss.type == "dr_grpo":
             errors["scale_rewards"] = "contradicts loss type dr_grpo (no std scaling)"
+        if self.processes > 1 and self.placement != "colocated":
+            errors["processes"] = (
+                f"{self.processes} processes each sample from their own trainer's model; "
+                f"placement {self.placement!r} runs in one process (set placement = 'colocated')"
+            )
+        elif self.batch_size // max(self.rollouts_per_example, 1) < self.processes:
+            errors["processes"] = (
+                f"each process rolls out at least one example: {self.processes} processes "
+                f"need batch_size >= {self.processes} x rollouts_per_example, got "
+                f"{self.batch_size} with groups of {self.rollouts_per_example}"
+            )
         if self.select.keep > 1 and not self.save_every:
             errors["select.keep"] = (
                 f"chooses among saves: set save_every (steps between saves), got keep "

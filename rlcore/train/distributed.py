@@ -17,10 +17,13 @@ the CLI, a benchmark); ranks 1..n-1 are child processes started as torchrun star
 CPU (gloo); a gloo group beside the default one carries Python objects and stop flags.
 - SFT: every rank runs `run_sft`, draws the same batches, trains on its share of each
   (`Ranks.deal`); only rank 0 reports and saves.
-- RL: rank 0 runs `run_rl` whole (rollouts, advantages, logging, checkpoints); each step
-  it deals the training sequences out (`Ranks.share`) and every rank takes its share
-  through the same update (`follow_rl` on ranks 1..n-1). Generation is not split: it
-  stays on rank 0, so the update is what gets faster.
+- RL: every rank runs `run_rl` (`follow_rl` on ranks 1..n-1): each draws the same batch of
+  examples, rolls out its share of them (`Ranks.deal`) with its own engine, scores them and
+  trains on their sequences, the loss normalized by the whole batch's normalizer (summed
+  over the ranks); rank 0 gathers every rank's rollouts to log the step and alone saves.
+  The step's host work (games, prompts, the engine's bookkeeping), its generation and its
+  update are all split. More ranks than GPUs share them (rank r on cuda:r mod the count,
+  over gloo), which on a GPU worker puts a step's Python on that many CPU cores.
 In both, each rank's loss is its share of the batch's loss (the sum over its tokens divided
 by the whole batch's normalizer), so the gradients are summed over the ranks, once after
 accumulation (`Ranks.sum_gradients`), and every rank takes the same optimizer step. This is
@@ -29,8 +32,9 @@ to run the same number of them, where ours accumulate over however many micro-ba
 their share holds (possibly none). Metric sums are added up over the ranks the same way.
 
 Stop requests: the ranks must run the same collectives, so in a data-parallel run a stop is
-heard before a step (SFT: rank 0's answer is broadcast) or during rank 0's rollouts (RL),
-never between micro-batches of an update.
+heard before a step (rank 0's answer is broadcast) or during rank 0's rollouts (RL: a step
+whose rollouts some rank did not finish is dropped on every rank, `Ranks.every`), never
+between micro-batches of an update.
 """
 
 from __future__ import annotations
@@ -140,8 +144,14 @@ class Ranks:
     def device(self, device: torch.device) -> torch.device:
         """This rank's device for a run on `device`: cuda:LOCAL_RANK in a data-parallel run."""
         if self.parallel and device.type == "cuda":
-            return torch.device("cuda", self.local_rank)
+            return torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
         return device
+
+    def sharing(self, device: torch.device) -> int:
+        """How many of the ranks run on `device`'s GPU (1 on the CPU or with one rank)."""
+        if not self.parallel or device.type != "cuda":
+            return 1
+        return -(-self.world_size // max(torch.cuda.device_count(), 1))
 
     def deal(self, items: list) -> list:
         """This rank's share of `items` (every world_size-th one)."""
@@ -183,7 +193,7 @@ class Ranks:
                     param.grad = torch.zeros_like(param)
                 grads.append(param.grad)
         for bucket in _buckets(grads):
-            flat = torch._utils._flatten_dense_tensors(bucket)
+            flat = torch._utils._flatten_dense_tensors(bucket).to(device)
             dist.all_reduce(flat)
             for grad, summed in zip(
                 bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
@@ -221,29 +231,21 @@ class Ranks:
             k: v / self.world_size if k in alike else v for k, v in zip(keys, values, strict=True)
         }
 
-    def share(self, sequences: list, normalizer: float) -> list:
-        """Rank 0: send each follower its share of a step's training sequences (by
-        length, round robin, trained ones first, so shares cost alike) and the batch's
-        loss normalizer; returns rank 0's own share."""
+    def every(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (all ranks call it together)."""
         if not self.parallel:
-            return sequences
-        ordered = sorted(sequences, key=lambda s: (not s.has_gradient, len(s.input_ids)))
-        shares = [(ordered[r :: self.world_size], normalizer) for r in range(self.world_size)]
-        return self._scatter(shares)[0]
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.control)
+        return bool(value.item())
 
-    def receive(self) -> tuple[list, float] | None:
-        """A follower: its share of the next step and the normalizer, or None at the end."""
-        return self._scatter(None)
-
-    def end(self) -> None:
-        """Rank 0: tell the followers the run is over (they return from `follow_rl`)."""
-        if self.parallel:
-            self._scatter([None] * self.world_size)
-
-    def _scatter(self, messages):
-        received: list = [None]
-        dist.scatter_object_list(received, messages, src=0, group=self.control)
-        return received[0]
+    def gather(self, item: Any) -> list | None:
+        """Rank 0: every rank's `item`, in rank order; the others: None."""
+        if not self.parallel:
+            return [item]
+        items: list | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(item, items, dst=0, group=self.control)
+        return items
 
 
 def _buckets(tensors: list[torch.Tensor]):
@@ -337,10 +339,11 @@ def release_store() -> None:
 # Launching
 
 
-def backend_for(device: str) -> str:
-    """nccl for a run on CUDA GPUs, gloo on the CPU."""
+def backend_for(device: str, processes: int = 1) -> str:
+    """nccl for a run on CUDA GPUs, a GPU each; gloo on the CPU or where ranks share GPUs
+    (NCCL takes one rank a GPU)."""
     on_gpu = device != "cpu" and torch.cuda.is_available()
-    return "nccl" if on_gpu else "gloo"
+    return "nccl" if on_gpu and torch.cuda.device_count() >= processes else "gloo"
 
 
 def _free_port() -> int:
@@ -468,11 +471,12 @@ def _failed_children(children, wait_s: float) -> str:
 
 
 def data_parallel_processes(gpus: int, cfg) -> int:
-    """How many data-parallel processes a job asking for `gpus` GPUs runs: all of them,
-    unless its RL run splits generation and training over two GPUs in one process."""
-    if gpus > 1 and getattr(cfg, "placement", "colocated") == "colocated":
-        return gpus
-    return 1
+    """How many data-parallel processes a job asking for `gpus` GPUs runs: one a GPU, or
+    its config's `processes` where that asks for more, unless its RL run splits generation
+    and training over two GPUs in one process."""
+    if getattr(cfg, "placement", "colocated") != "colocated":
+        return 1
+    return max(gpus, getattr(cfg, "processes", 1), 1)
 
 
 def run_sft_ranks(cfg, sink=None, *, processes: int = 1) -> str:
@@ -484,32 +488,29 @@ def run_sft_ranks(cfg, sink=None, *, processes: int = 1) -> str:
         "rlcore.train.distributed:follow_sft",
         cfg.to_dict(),
         processes=processes,
-        backend=backend_for(cfg.device),
+        backend=backend_for(cfg.device, processes),
         log_dir=Path(cfg.output_dir) / "ranks",
     )
 
 
-def run_rl_ranks(cfg, sink=None, *, processes: int = 1, engine: str = "local") -> str | None:
-    """`run_rl` with its updates data-parallel over `processes` ranks."""
+def run_rl_ranks(
+    cfg, sink=None, *, processes: int | None = None, engine: str = "local"
+) -> str | None:
+    """`run_rl` data-parallel over `processes` ranks (default: the config's `processes`)."""
     from rlcore.train.grpo import run_rl
 
+    processes = cfg.processes if processes is None else processes
     if processes > 1 and cfg.placement != "colocated":
         raise ValueError(
             f"placement={cfg.placement!r} runs in one process over two devices; a "
             f"data-parallel run ({processes} processes) takes placement='colocated'"
         )
-
-    def main() -> str:
-        path = run_rl(cfg, sink, engine=engine)
-        current_ranks().end()  # after a failure the followers fail with the closed group
-        return path
-
     return launch(
-        main,
+        lambda: run_rl(cfg, sink, engine=engine),
         "rlcore.train.distributed:follow_rl",
-        cfg.to_dict(),
+        {"settings": cfg.to_dict(), "engine": engine},
         processes=processes,
-        backend=backend_for(cfg.device),
+        backend=backend_for(cfg.device, processes),
         log_dir=Path(cfg.output_dir) / "ranks",
     )
 
@@ -522,20 +523,13 @@ def follow_sft(settings: dict) -> None:
     run_sft(build_config(SFTConfig, [("rank 0", settings)]))
 
 
-def follow_rl(settings: dict) -> None:
-    """Ranks 1..n-1 of a data-parallel RL run: the learner rank 0 has, taking its share
-    of every step's update until rank 0 says the run is over."""
-    from rlcore.train.common import resolve_device, seed_everything
+def follow_rl(payload: dict) -> None:
+    """Ranks 1..n-1 of a data-parallel RL run: the same run, each rolling out and training
+    its share of every step, silent (rank 0 logs and saves)."""
     from rlcore.train.config import RLConfig, build_config
-    from rlcore.train.grpo import build_learner, learn
+    from rlcore.train.grpo import run_rl
 
-    cfg = build_config(RLConfig, [("rank 0", settings)])
-    ranks = current_ranks()
-    seed_everything(cfg.seed)
-    learner, _, _ = build_learner(cfg, ranks.device(resolve_device(cfg.device)), never)
-    while (message := ranks.receive()) is not None:
-        sequences, normalizer = message
-        learn(learner, sequences, normalizer, cfg)
+    run_rl(build_config(RLConfig, [("rank 0", payload["settings"])]), engine=payload["engine"])
 
 
 def _follower_main(argv: list[str]) -> None:

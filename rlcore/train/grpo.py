@@ -18,9 +18,10 @@ One step, as `run_rl` does it from top to bottom:
    (grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
-In a data-parallel run (rlcore/train/distributed.py) this process is rank 0: it does all of
-the above, and step 5 runs on every rank, each on its share of the sequences, with the
-gradients and metric sums added up over the ranks.
+In a data-parallel run (`processes`, rlcore/train/distributed.py) every rank does steps 1-5
+on its share of the batch's examples, with the loss normalized over the whole batch and the
+gradients and metric sums added up over the ranks, so all take the same optimizer step;
+rank 0 gathers every rank's rollouts for step 6 and alone saves.
 
 A stop request (the sink's `should_stop`) is heard inside a step, not only between steps:
 the engine abandons a generation between tokens, rollouts end before their next turn, and
@@ -95,7 +96,9 @@ from rlcore.train.sound_mass import attach_move_sets
 from rlcore.types import Rollout, SamplingParams
 
 # Config fields a resumed run may change without changing what it computes.
-RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement", "select.keep", "select.num_examples", "select.seed"}  # fmt: skip
+# Data-parallel rank r seeds its sampling with seed + r x this (rank 0: the run's seed).
+RANK_SEED_STRIDE = 1_000_003
+RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement", "processes", "select.keep", "select.num_examples", "select.seed"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -436,6 +439,15 @@ def learn(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict
 # The training loop
 
 
+def weights_digest(model: torch.nn.Module) -> list[float]:
+    """Each parameter's sum and sum of squares: equal on ranks that took the same steps."""
+    with torch.no_grad():
+        sums = [
+            torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()
+        ]
+        return torch.cat(sums).tolist()
+
+
 def build_learner(cfg: RLConfig, device: torch.device, should_stop: Callable[[], bool]):
     """The learner of `cfg` on `device` (policy, optional frozen reference, optimizer and
     schedule, restored from `cfg.resume_from` when set), its tokenizer, and the resumed
@@ -470,9 +482,13 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
     device, generation_device = placement_devices(
         cfg.placement, ranks.device(resolve_device(cfg.device))
     )
-    seed_everything(cfg.seed)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # a rank's GPU: the engine's graphs and streams use it
+    # Ranks draw the same examples (the sampler's own seed) but sample their own replies.
+    seed_everything(cfg.seed + RANK_SEED_STRIDE * ranks.rank)
     output_dir = Path(cfg.output_dir)
-    save_config(cfg, output_dir)
+    if ranks.is_main:
+        save_config(cfg, output_dir)
 
     # Environment, policy model, optional frozen reference, optimizer, example stream.
     env = load_environment(cfg.env, **cfg.env_args)
@@ -500,6 +516,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         path=model_path(cfg.resume_from or cfg.model),
         should_stop=sink.should_stop,
         warn=lambda message: sink.log(f"rl: {message}", "warning"),
+        gpu_sharers=ranks.sharing(generation_device),
     )
     sampling = SamplingParams(
         temperature=cfg.sampling.temperature,
@@ -513,6 +530,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         sampler.load_state_dict(state["sampler"])
         restore_random_states(state["random"])
         start_step = state["step"]
+        if not ranks.is_main:  # rank 0's saved streams, then this rank's own
+            seed_everything(cfg.seed + RANK_SEED_STRIDE * ranks.rank + start_step)
         sink.log(f"rl: resumed from {cfg.resume_from} at step {start_step}")
     sink.log(
         f"rl: {cfg.loss.type} on {env.name}, {sampler.examples_per_step} examples x "
@@ -523,13 +542,20 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             if cfg.placement == "split"
             else ""
         )
-        + (f", {ranks.world_size} data-parallel ranks" if ranks.parallel else "")
+        + (
+            f", {ranks.world_size} data-parallel ranks each rolling out and training its share"
+            if ranks.parallel
+            else ""
+        )
     )
 
     def checkpoint(step: int, path: Path, start: tuple[dict, dict] | None = None) -> str:
         """Save the run after `step`; `start` (sampler and random states) stands in for the
-        current ones when the step after it was begun and then dropped."""
+        current ones when the step after it was begun and then dropped. Rank 0 saves; the
+        other ranks hold the same weights."""
         nonlocal last_saved
+        if not ranks.is_main:
+            return ""
         sampler_state, random_state = start or (sampler.state_dict(), random_states())
         last_saved = save_checkpoint(model, tokenizer, cfg, path)
         save_trainer_state(path, step, optimizer, scheduler, sampler_state, random_state)
@@ -543,6 +569,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         resumed run plays the dropped step exactly."""
         optimizer.zero_grad(set_to_none=True)
         path = checkpoint(step - 1, checkpoint_dir(output_dir, step - 1), start)
+        if not ranks.is_main:
+            return path
         sink.log(
             f"rl: stopped on request inside step {step} ({where}); saved the state after step "
             f"{step - 1}: {path}",
@@ -556,27 +584,31 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
     outcome_labels: set[str] = set()  # every label seen so far, reported even at rate 0
     pieces: dict[int, str] = {}  # token id -> text, for think_length
     loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
+    stop_asked = ranks.agreed(sink.should_stop)  # rank 0's answer on every rank
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
-            if sink.should_stop():
+            if stop_asked():
                 return stop(step, "before it began")
             step_started = time.monotonic()
             start = (sampler.state_dict(), random_states())  # saved instead if it is dropped
 
-            # 1-2. A stratified batch of examples, each rolled out as a group.
+            # 1-2. A stratified batch of examples, each rolled out as a group (in a
+            #      data-parallel run, each rank its share of the examples).
+            examples = ranks.deal(sampler.next_batch())
             rollouts = loop.run_until_complete(
                 run_rollouts(
                     env,
                     rollouts_engine,
-                    sampler.next_batch(),
+                    examples,
                     sampling=sampling,
                     rollouts_per_example=cfg.rollouts_per_example,
                     concurrency=cfg.sampling.concurrency,
                     should_stop=sink.should_stop,
                 )
             )
-            if len(rollouts) < cfg.batch_size:
-                return stop(step, f"rollouts: {len(rollouts)} of {cfg.batch_size} finished", start)
+            wanted = len(examples) * cfg.rollouts_per_example
+            if not ranks.every(len(rollouts) == wanted):
+                return stop(step, f"rollouts: {len(rollouts)} of {wanted} finished", start)
             rollout_seconds = time.monotonic() - step_started
             train_started = time.monotonic()
 
@@ -586,14 +618,25 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             )
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
-            #    then the updates (each rank on its share in a data-parallel run); a stop
+            #    then the updates, the loss over the whole batch's normalizer; a stop
             #    request before the first update is taken drops the step.
             try:
-                trained = learn(learner, ranks.share(sequences, normalizer), normalizer, cfg)
+                normalizer = float(ranks.sum(torch.tensor(normalizer, dtype=torch.float64)))
+                trained = learn(learner, sequences, normalizer, cfg)
                 copy_weights(model, generator)  # split placement: the engine's copy
                 sync_weights(rollouts_engine, model)  # vLLM samples the updated weights
             except StepStopped as stopped:
                 return stop(step, stopped.where, start)
+            tokens = sum(len(s.input_ids) for s in sequences)
+            if ranks.parallel:  # rank 0 logs the whole batch: every rank's rollouts
+                shares = ranks.gather((rollouts, tokens, advantage_metrics.get("sound_mass/moves")))
+                if not ranks.is_main:
+                    continue
+                rollouts = [r for share, _, _ in shares for r in share]
+                tokens = sum(count for _, count, _ in shares)
+                _, advantage_metrics = step_advantages(env, rollouts, cfg)
+                if cfg.sound_mass_weight > 0:
+                    advantage_metrics["sound_mass/moves"] = sum(moves for _, _, moves in shares)
             step_seconds = time.monotonic() - step_started
 
             # 6. Log: rollout statistics under the eval names, then the optimization's.
@@ -605,7 +648,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             metrics |= trained | advantage_metrics
             metrics |= {
                 # Tokens through the trainer (prompts included) per second of the step.
-                "perf/tokens_per_s": sum(len(s.input_ids) for s in sequences) / step_seconds,
+                "perf/tokens_per_s": tokens / step_seconds,
                 "perf/step_seconds": step_seconds,
                 "perf/rollout_seconds": rollout_seconds,
                 "perf/train_seconds": time.monotonic() - train_started,
@@ -628,6 +671,16 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         loop.close()
 
     path = checkpoint(cfg.max_steps, output_dir / "final")
+    if ranks.parallel:  # the ranks took the same steps: their weights must be equal
+        digests = ranks.gather(weights_digest(model))
+        if not ranks.is_main:
+            return path
+        if differ := [r for r, digest in enumerate(digests) if digest != digests[0]]:
+            raise RuntimeError(
+                f"rl: data-parallel ranks {differ} ended with weights other than rank 0's "
+                f"(the final checkpoint {path} is rank 0's)"
+            )
+        sink.log(f"rl: the {ranks.world_size} data-parallel ranks end with the same weights")
     milestones.summary()
     sink.log(f"rl: final checkpoint {path}")
     if cfg.select.keep > 1:  # the result: the best of the last saves on validation games

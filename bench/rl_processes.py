@@ -1,0 +1,124 @@
+"""Seconds per RL step of the tic-tac-toe recipe at 64, 256 and 1024 games a step, run by
+1, 2, 4 ... data-parallel processes (`RLConfig.processes`) on one device, in one run.
+
+    python bench/rl_processes.py [--device auto] [--games 64,256,1024] [--processes 1,2,4]
+        [--steps 8] [--warmup 2] [--recipe recipes/tictactoe_tiny/rl_gpu.toml]
+        [--model tiny-master] [--out PATH]
+
+Each row is a real `run_rl` (`run_rl_ranks`, as `python -m rlcore rl ... processes=P` runs
+it) of the recipe with `--model` as the policy (a trained player, whose replies end as a
+trained model's do), `batch_size` and `concurrency` set to the games, no saves and no
+choice among saves. Each process rolls out its share of the step's games with its own
+engine, scores them and trains on their sequences; the gradients are summed, so the step
+is the same update on the whole batch. On a GPU worker a step is mostly host work (the
+games, the prompts, the engine's bookkeeping: docs/BENCHMARKS.md), which the processes
+split over CPU cores; several processes share one GPU. Figures are medians of rank 0's
+`perf/step_seconds`, `perf/rollout_seconds` and `perf/train_seconds` over the steps after
+`--warmup` (CUDA graph capture, allocator warm-up). `vs 1 proc` compares a row with one
+process at the same games; `vs 64` with the same processes at the fewest games.
+Writes bench/results/rl_processes_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from benchlib import write_results  # noqa: E402
+
+from rlcore.events import RecordingSink  # noqa: E402
+from rlcore.train.config import RLConfig, load_config  # noqa: E402
+from rlcore.train.distributed import run_rl_ranks  # noqa: E402
+
+PARTS = ("step", "rollout", "train")
+
+
+def run_row(args, games: int, processes: int) -> dict:
+    """One run of `--steps` + `--warmup` steps: medians of the timed steps."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        overrides = [
+            f"model={args.model}", f"batch_size={games}", f"concurrency={games}",
+            f"processes={processes}", f"device={args.device}", f"output_dir={output_dir}",
+            f"max_steps={args.warmup + args.steps}", "save_every=0", "select.keep=1",
+            "log_rollouts=0",
+        ]  # fmt: skip
+        cfg = load_config(RLConfig, args.recipe, overrides)
+        sink = RecordingSink()
+        run_rl_ranks(cfg, sink)
+    timed = [metrics for step, metrics in sink.metrics if step > args.warmup]
+    row = {"games": games, "processes": processes, "steps": len(timed)}
+    for part in PARTS:
+        row[f"{part}_seconds"] = statistics.median(m[f"perf/{part}_seconds"] for m in timed)
+    row["games_per_second"] = games / row["step_seconds"]
+    return row
+
+
+def card(device: str) -> str:
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--games", default="64,256,1024", help="games a step, comma-separated")
+    parser.add_argument("--processes", default="1,2,4", help="processes, comma-separated")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps a row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--recipe", default="recipes/tictactoe_tiny/rl_gpu.toml")
+    parser.add_argument("--model", default="tiny-master", help="the policy")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = [int(g) for g in args.games.split(",")]
+    counts = [int(p) for p in args.processes.split(",")]
+    rows = []
+    for games in sizes:
+        for processes in counts:
+            row = run_row(args, games, processes)
+            rows.append(row)
+            print(f"  {games} games, {processes} processes: {row['step_seconds']:.3f} s/step")
+    alone = {r["games"]: r["step_seconds"] for r in rows if r["processes"] == counts[0]}
+    fewest = {r["processes"]: r["step_seconds"] for r in rows if r["games"] == sizes[0]}
+    for row in rows:
+        row["vs_one_process"] = alone[row["games"]] / row["step_seconds"]
+        row["vs_fewest_games"] = row["step_seconds"] / fewest[row["processes"]]
+    name = card(args.device)
+    print(f"\ntic-tac-toe RL step by processes, {args.model}, {args.recipe}, {args.device}")
+    header = (
+        f"{'card':<22} {'games':>5} {'procs':>5} {'rollout s':>9} {'train s':>7} "
+        f"{'step s':>7} {'vs 1 proc':>9} {'vs 64':>6} {'games/s':>8}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{name[:22]:<22} {r['games']:>5} {r['processes']:>5} {r['rollout_seconds']:>9.3f} "
+            f"{r['train_seconds']:>7.3f} {r['step_seconds']:>7.3f} "
+            f"{r['vs_one_process']:>8.2f}x {r['vs_fewest_games']:>5.2f}x "
+            f"{r['games_per_second']:>8.1f}"
+        )
+    results = {
+        "benchmark": "rl_processes",
+        "card": name,
+        "device": args.device,
+        "recipe": args.recipe,
+        "model": args.model,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "command": "python bench/rl_processes.py " + " ".join(argv or sys.argv[1:]),
+        "rows": rows,
+    }
+    return write_results(results, args.out, f"rl_processes_{args.device}.json")
+
+
+if __name__ == "__main__":
+    main()
