@@ -69,8 +69,13 @@ class _UidLease:
     killed worker's leases free themselves). Waits while every uid is held."""
 
     def __init__(self, directory: Path = UID_LEASE_DIR):
-        directory.mkdir(mode=0o700, exist_ok=True)
-        info = directory.lstat()
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = directory.lstat()
+        except OSError as exc:
+            raise SandboxUnavailable(
+                f"cannot keep the jails' uid leases in {directory}: {exc}"
+            ) from exc
         if not directory.is_dir() or directory.is_symlink() or info.st_uid != os.geteuid():
             raise SandboxUnavailable(
                 f"{directory} is not a directory of this user's for uid leases"
