@@ -33,8 +33,10 @@ def test_a_requeued_rl_job_writes_and_resumes_from_its_own_attempt(
     job = services.job_create(
         owner=alice, kind="rl", env_config=ttt_config, model=tiny,
         options={"batch_size": 4, "rollouts_per_example": 2, "max_steps": 2, "max_tokens": 16,
-                 "save_every": 1, "device": "cpu"},
+                 "save_every": 1, "device": "cpu", "select.num_examples": 4},
     )  # fmt: skip
+    # (select.num_examples: the default recipe's choice plays 500 games a set a save,
+    # minutes on a CPU for each of the test's jobs.)
     job = wait_for_job(job)
     assert job.status == "succeeded", job.error
     first = set(Checkpoint.objects.filter(job=job).values_list("path", flat=True))
