@@ -634,6 +634,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                     continue
                 rollouts = [r for share, _, _ in shares for r in share]
                 tokens = sum(count for _, count, _ in shares)
+                # The advantage metrics again over the whole batch (a few ms at 256 games):
+                # exact where an average of the ranks' own would weigh turns and groups wrong.
                 _, advantage_metrics = step_advantages(env, rollouts, cfg)
                 if cfg.sound_mass_weight > 0:
                     advantage_metrics["sound_mass/moves"] = sum(moves for _, _, moves in shares)
