@@ -13,8 +13,10 @@ engine, scores them and trains on their sequences; the gradients are summed, so 
 is the same update on the whole batch. On a GPU worker a step is mostly host work (the
 games, the prompts, the engine's bookkeeping: docs/BENCHMARKS.md), which the processes
 split over CPU cores; several processes share one GPU. Figures are medians of rank 0's
-`perf/step_seconds`, `perf/rollout_seconds` and `perf/train_seconds` over the steps after
-`--warmup` (CUDA graph capture, allocator warm-up). `vs 1 proc` compares a row with one
+`perf/step_seconds`, `perf/rollout_seconds`, `perf/train_seconds` and the train part's pieces
+(scoring, the wait for the ranks, the update, rank 0's gathering) over the steps after
+`--warmup` (CUDA graph capture, allocator warm-up); `period` is the median time between two
+steps' metrics, logging included. `vs 1 proc` compares a row with one
 process at the same games; `vs 64` with the same processes at the fewest games.
 Writes bench/results/rl_processes_<device>.json.
 """
@@ -22,10 +24,12 @@ Writes bench/results/rl_processes_<device>.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,7 +41,20 @@ from rlcore.events import RecordingSink  # noqa: E402
 from rlcore.train.config import RLConfig, load_config  # noqa: E402
 from rlcore.train.distributed import run_rl_ranks  # noqa: E402
 
-PARTS = ("step", "rollout", "train")
+PARTS = ("step", "rollout", "train", "scoring", "wait", "update", "gather")
+
+
+class TimedSink(RecordingSink):
+    """Also notes when each step's metrics arrive: their spacing is the step's whole
+    period (`perf/step_seconds` stops before rank 0 summarizes and logs the step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrivals: list[float] = []
+
+    def metric(self, step: int, values: dict[str, float]) -> None:
+        self.arrivals.append(time.monotonic())
+        super().metric(step, values)
 
 
 def run_row(args, games: int, processes: int) -> dict:
@@ -50,12 +67,17 @@ def run_row(args, games: int, processes: int) -> dict:
             "log_rollouts=0",
         ]  # fmt: skip
         cfg = load_config(RLConfig, args.recipe, overrides)
-        sink = RecordingSink()
+        sink = TimedSink()
         run_rl_ranks(cfg, sink)
     timed = [metrics for step, metrics in sink.metrics if step > args.warmup]
     row = {"games": games, "processes": processes, "steps": len(timed)}
-    for part in PARTS:
-        row[f"{part}_seconds"] = statistics.median(m[f"perf/{part}_seconds"] for m in timed)
+    for part in PARTS:  # wait and gather only in a data-parallel run
+        row[f"{part}_seconds"] = statistics.median(
+            m.get(f"perf/{part}_seconds", 0.0) for m in timed
+        )
+    row["period_seconds"] = statistics.median(
+        b - a for a, b in itertools.pairwise(sink.arrivals[args.warmup :])
+    )
     row["games_per_second"] = games / row["step_seconds"]
     return row
 
@@ -96,13 +118,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\ntic-tac-toe RL step by processes, {args.model}, {args.recipe}, {args.device}")
     header = (
         f"{'card':<22} {'games':>5} {'procs':>5} {'rollout s':>9} {'train s':>7} "
-        f"{'step s':>7} {'vs 1 proc':>9} {'vs 64':>6} {'games/s':>8}"
+        f"{'scoring':>7} {'wait':>6} {'update':>6} {'gather':>6} "
+        f"{'step s':>7} {'period':>6} {'vs 1 proc':>9} {'vs 64':>6} {'games/s':>8}"
     )
     print(header)
     for r in rows:
         print(
             f"{name[:22]:<22} {r['games']:>5} {r['processes']:>5} {r['rollout_seconds']:>9.3f} "
-            f"{r['train_seconds']:>7.3f} {r['step_seconds']:>7.3f} "
+            f"{r['train_seconds']:>7.3f} {r['scoring_seconds']:>7.3f} {r['wait_seconds']:>6.3f} "
+            f"{r['update_seconds']:>6.3f} {r['gather_seconds']:>6.3f} {r['step_seconds']:>7.3f} "
+            f"{r['period_seconds']:>6.3f} "
             f"{r['vs_one_process']:>8.2f}x {r['vs_fewest_games']:>5.2f}x "
             f"{r['games_per_second']:>8.1f}"
         )

@@ -616,17 +616,20 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             sequences, normalizer, advantage_metrics = step_sequences(
                 env, rollouts, cfg, tokenizer, pieces
             )
+            scored = time.monotonic()
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
             #    then the updates, the loss over the whole batch's normalizer; a stop
             #    request before the first update is taken drops the step.
             try:
                 normalizer = float(ranks.sum(torch.tensor(normalizer, dtype=torch.float64)))
+                update_started = time.monotonic()  # the sum waits for the ranks' scoring
                 trained = learn(learner, sequences, normalizer, cfg)
                 copy_weights(model, generator)  # split placement: the engine's copy
                 sync_weights(rollouts_engine, model)  # vLLM samples the updated weights
             except StepStopped as stopped:
                 return stop(step, stopped.where, start)
+            updated = time.monotonic()
             tokens = sum(len(s.input_ids) for s in sequences)
             if ranks.parallel:  # rank 0 logs the whole batch: every rank's rollouts
                 shares = ranks.gather((rollouts, tokens, advantage_metrics.get("sound_mass/moves")))
@@ -654,7 +657,16 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                 "perf/step_seconds": step_seconds,
                 "perf/rollout_seconds": rollout_seconds,
                 "perf/train_seconds": time.monotonic() - train_started,
+                # The train part's pieces: this rank's scoring (advantages and sequences)
+                # and its update; in a data-parallel run also the wait for the ranks'
+                # scoring (their rollouts are waited for inside the rollout part) and rank
+                # 0's gathering of their rollouts.
+                "perf/scoring_seconds": scored - train_started,
+                "perf/update_seconds": updated - update_started,
             }
+            if ranks.parallel:
+                metrics["perf/wait_seconds"] = update_started - scored
+                metrics["perf/gather_seconds"] = step_started + step_seconds - updated
             sink.metric(step, metrics)
             milestones.step(step, metrics, step_seconds)
             if cfg.log_rollouts:
