@@ -3,7 +3,7 @@
 
     python bench/rl_processes.py [--device auto] [--games 64,256,1024] [--processes 1,2,4]
         [--steps 8] [--warmup 2] [--recipe recipes/tictactoe_tiny/rl_gpu.toml]
-        [--model tiny-master] [--out PATH]
+        [--model tiny-master] [--out PATH] [--profile 4,8]
 
 Each row is a real `run_rl` (`run_rl_ranks`, as `python -m rlcore rl ... processes=P` runs
 it) of the recipe with `--model` as the policy (a trained player, whose replies end as a
@@ -24,6 +24,7 @@ Writes bench/results/rl_processes_<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import platform
 import statistics
@@ -38,6 +39,7 @@ import torch  # noqa: E402
 from benchlib import write_results  # noqa: E402
 
 from rlcore.events import RecordingSink  # noqa: E402
+from rlcore.train import grpo  # noqa: E402
 from rlcore.train.config import RLConfig, load_config  # noqa: E402
 from rlcore.train.distributed import run_rl_ranks  # noqa: E402
 
@@ -68,18 +70,46 @@ def run_row(args, games: int, processes: int) -> dict:
         ]  # fmt: skip
         cfg = load_config(RLConfig, args.recipe, overrides)
         sink = TimedSink()
-        run_rl_ranks(cfg, sink)
+        with profiled_update(args.profile and processes in args.profile, args.warmup + 1):
+            run_rl_ranks(cfg, sink)
     timed = [metrics for step, metrics in sink.metrics if step > args.warmup]
     row = {"games": games, "processes": processes, "steps": len(timed)}
     for part in PARTS:  # wait and gather only in a data-parallel run
         row[f"{part}_seconds"] = statistics.median(
             m.get(f"perf/{part}_seconds", 0.0) for m in timed
         )
-    row["period_seconds"] = statistics.median(
-        b - a for a, b in itertools.pairwise(sink.arrivals[args.warmup :])
-    )
+    periods = [b - a for a, b in itertools.pairwise(sink.arrivals[args.warmup :])]
+    row["period_seconds"] = statistics.median(periods) if periods else float("nan")
     row["games_per_second"] = games / row["step_seconds"]
     return row
+
+
+@contextlib.contextmanager
+def profiled_update(active: bool, call: int):
+    """With `active`, rank 0's update (`grpo.learn`, run in this process) at its `call`-th
+    call runs under the torch profiler, whose table (host time by op) is printed."""
+    if not active:
+        yield
+        return
+    learn, calls = grpo.learn, []
+
+    def traced(*args, **kwargs):
+        calls.append(1)
+        if len(calls) != call:
+            return learn(*args, **kwargs)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            result = learn(*args, **kwargs)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return result
+
+    grpo.learn = traced
+    try:
+        yield
+    finally:
+        grpo.learn = learn
 
 
 def card(device: str) -> str:
@@ -98,11 +128,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipe", default="recipes/tictactoe_tiny/rl_gpu.toml")
     parser.add_argument("--model", default="tiny-master", help="the policy")
     parser.add_argument("--out", default=None, help="JSON path")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="process counts whose rows profile rank 0's update in their first timed step",
+    )
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = [int(g) for g in args.games.split(",")]
     counts = [int(p) for p in args.processes.split(",")]
+    args.profile = {int(p) for p in args.profile.split(",") if p}
     rows = []
     for games in sizes:
         for processes in counts:

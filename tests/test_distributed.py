@@ -384,3 +384,58 @@ def test_processes_name_what_they_need(tiny_model, tmp_path):
         rl_config(tiny_model, tmp_path, "a", processes=65)
     assert data_parallel_processes(0, rl_config(tiny_model, tmp_path, "a", processes=4)) == 4
     assert data_parallel_processes(2, rl_config(tiny_model, tmp_path, "a", processes=4)) == 4
+
+
+def rank_gradients(rank: int) -> dict[str, torch.Tensor | None]:
+    """Rank `rank`'s gradients in `summed_gradients`: a float32 and a bfloat16 parameter
+    and one that only rank 1 touches (None on the others)."""
+    generator = torch.Generator().manual_seed(rank)
+    return {
+        "weight": torch.randn(7, 5, generator=generator),
+        "low": torch.randn(11, generator=generator).to(torch.bfloat16),
+        "rare": torch.randn(3, generator=generator) if rank == 1 else None,
+    }
+
+
+def summed_gradients(payload: dict) -> tuple[dict, bool]:
+    """Every rank's gradients summed by `Ranks.sum_gradients`, and whether the shared slots
+    summed them; with `unmappable`, rank 1 cannot map the slots (then gloo sums)."""
+    ranks = current_ranks()
+    if payload.get("unmappable") and ranks.rank == 1:
+        import rlcore.train.distributed as distributed
+
+        def refuse(*_):
+            raise OSError("refused by the test")
+
+        distributed._map_shared_buffer = refuse
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.zeros(7, 5))
+    model.low = torch.nn.Parameter(torch.zeros(11, dtype=torch.bfloat16))
+    model.rare = torch.nn.Parameter(torch.zeros(3))
+    sums = []
+    for _ in range(2):  # twice: the slots are reused
+        for name, grad in rank_gradients(ranks.rank).items():
+            getattr(model, name).grad = grad
+        ranks.sum_gradients(model)
+        sums.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert torch.equal(sums[0]["weight"], sums[1]["weight"])
+    return sums[1], bool(ranks.slots)
+
+
+@pytest.mark.parametrize("unmappable", [False, True])
+def test_ranks_on_one_device_sum_gradients_in_shared_slots(unmappable):
+    payload = {"unmappable": unmappable}
+    sums, shared = launch(
+        lambda: summed_gradients(payload),
+        "tests.test_distributed:summed_gradients",
+        payload,
+        processes=3,
+        backend="gloo",
+    )
+    assert shared is not unmappable  # a rank that cannot map them: every rank uses gloo
+    ranks = [rank_gradients(rank) for rank in range(3)]
+    torch.testing.assert_close(sums["weight"], sum(r["weight"] for r in ranks))
+    half = sum(r["low"].float() for r in ranks)
+    torch.testing.assert_close(sums["low"].float(), half, rtol=1e-2, atol=1e-2)
+    assert sums["low"].dtype == torch.bfloat16
+    torch.testing.assert_close(sums["rare"], ranks[1]["rare"])  # zeros from ranks 0 and 2
