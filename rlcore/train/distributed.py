@@ -126,7 +126,6 @@ class Ranks:
     local_rank: int = 0
     backend: str = ""
     control: Any = None  # a gloo group for Python objects and flags
-    slots: Any = None  # SharedSlots where the ranks share one device, False where not
 
     @property
     def is_main(self) -> bool:
@@ -193,9 +192,6 @@ class Ranks:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grads.append(param.grad)
-        if slots := self.shared_slots(params):
-            slots.sum(grads)
-            return
         for bucket in _buckets(grads):
             flat = torch._utils._flatten_dense_tensors(bucket).to(device)
             dist.all_reduce(flat)
@@ -203,16 +199,6 @@ class Ranks:
                 bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
             ):
                 grad.copy_(summed)
-
-    def shared_slots(self, params: list[torch.nn.Parameter]) -> SharedSlots | None:
-        """The ranks' shared gradient slots, set up by every rank together on the first
-        sum: where every rank runs on the same device (one GPU shared, or the CPU), its
-        gradients are summed in memory they all map, not sent over gloo's sockets
-        (through the host, for a GPU). None where they do not share one device or the
-        memory could not be shared (then gloo sums them, as before)."""
-        if self.slots is None:
-            self.slots = SharedSlots.open(self, params) or False
-        return self.slots or None
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """`values` added up over the ranks (every rank passes the same shape)."""
@@ -260,103 +246,6 @@ class Ranks:
         items: list | None = [None] * self.world_size if self.is_main else None
         dist.gather_object(item, items, dst=0, group=self.control)
         return items
-
-
-class SharedSlots:
-    """A [world_size, n] float32 buffer every rank maps (CUDA IPC on a shared GPU, a file
-    in /dev/shm on the CPU), for summing gradients where the ranks share one device. A sum
-    takes three barriers on the control group: each rank writes its gradients into its
-    row; each sums one column chunk over the rows into its own row; each reads every
-    chunk's total. Each total is computed once, so every rank gets the same bits."""
-
-    def __init__(self, ranks: Ranks, buffer: torch.Tensor):
-        self.ranks, self.buffer = ranks, buffer
-        width = -(-buffer.shape[1] // ranks.world_size)
-        self.chunks = [
-            (lo, min(lo + width, buffer.shape[1])) for lo in range(0, buffer.shape[1], width)
-        ]
-
-    @classmethod
-    def open(cls, ranks: Ranks, params: list[torch.nn.Parameter]) -> SharedSlots | None:
-        """Every rank together: the shared slots, or None on every rank where some rank's
-        device differs or some rank could not map the buffer."""
-        device = params[0].device
-        numel = sum(p.numel() for p in params)
-        places: list = [None] * ranks.world_size
-        dist.all_gather_object(places, (str(device), numel), group=ranks.control)
-        if len(set(places)) > 1 or device.type not in ("cpu", "cuda"):
-            return None
-        buffer, handle, path = None, None, None
-        if ranks.is_main:
-            try:
-                buffer, handle, path = _shared_buffer(ranks.world_size, numel, device)
-            except (RuntimeError, OSError) as exc:
-                logger.warning("data-parallel run: no shared gradient slots (%s); gloo sums", exc)
-        shared = [handle]
-        dist.broadcast_object_list(shared, src=0, group=ranks.control)
-        if not ranks.is_main and shared[0] is not None:
-            try:
-                buffer = _map_shared_buffer(shared[0], ranks.world_size, numel, device)
-            except (RuntimeError, OSError) as exc:
-                logger.warning(
-                    "data-parallel run: rank %d could not map the gradient slots (%s)",
-                    ranks.rank,
-                    exc,
-                )
-                buffer = None
-        mapped = ranks.every(buffer is not None)  # also: every rank has mapped the file
-        if path is not None:
-            os.unlink(path)  # the mappings outlive the name
-        return cls(ranks, buffer) if mapped else None
-
-    def sum(self, grads: list[torch.Tensor]) -> None:
-        """Replace each rank's `grads` (the same shapes on every rank) by their sum."""
-        rank, buffer = self.ranks.rank, self.buffer
-        own = buffer[rank]
-        offset = 0
-        for grad in grads:
-            own[offset : offset + grad.numel()].copy_(grad.reshape(-1))
-            offset += grad.numel()
-        self._barrier()
-        if rank < len(self.chunks):
-            lo, hi = self.chunks[rank]
-            own[lo:hi].copy_(buffer[:, lo:hi].sum(0))
-        self._barrier()
-        totals = torch.cat([buffer[index, lo:hi] for index, (lo, hi) in enumerate(self.chunks)])
-        offset = 0
-        for grad in grads:
-            grad.copy_(totals[offset : offset + grad.numel()].view(grad.shape))
-            offset += grad.numel()
-        self._barrier()  # every rank has read the totals before any writes its row again
-
-    def _barrier(self) -> None:
-        if self.buffer.is_cuda:  # this process's copies done before the others read them
-            torch.cuda.current_stream(self.buffer.device).synchronize()
-        dist.barrier(group=self.ranks.control)
-
-
-def _shared_buffer(world_size: int, numel: int, device: torch.device):
-    """Rank 0's buffer, the handle other ranks map it by, and the file to unlink (CPU)."""
-    if device.type == "cuda":
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        buffer = torch.zeros(world_size, numel, dtype=torch.float32, device=device)
-        return buffer, reduce_tensor(buffer), None
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="rlcore-grads-", dir=folder)
-    try:
-        os.ftruncate(fd, world_size * numel * 4)
-    finally:
-        os.close(fd)
-    return _map_shared_buffer(path, world_size, numel, device), path, path
-
-
-def _map_shared_buffer(handle, world_size: int, numel: int, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        rebuild, arguments = handle
-        return rebuild(*arguments)
-    flat = torch.from_file(handle, shared=True, size=world_size * numel, dtype=torch.float32)
-    return flat.view(world_size, numel)
 
 
 def _buckets(tensors: list[torch.Tensor]):
