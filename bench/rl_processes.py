@@ -70,7 +70,8 @@ def run_row(args, games: int, processes: int) -> dict:
         ]  # fmt: skip
         cfg = load_config(RLConfig, args.recipe, overrides)
         sink = TimedSink()
-        with profiled_update(args.profile and processes in args.profile, args.warmup + 1):
+        tables: dict[str, str] = {}
+        with profiled_update(processes in args.profile, args.warmup + 1, tables):
             run_rl_ranks(cfg, sink)
     timed = [metrics for step, metrics in sink.metrics if step > args.warmup]
     row = {"games": games, "processes": processes, "steps": len(timed)}
@@ -78,16 +79,19 @@ def run_row(args, games: int, processes: int) -> dict:
         row[f"{part}_seconds"] = statistics.median(
             m.get(f"perf/{part}_seconds", 0.0) for m in timed
         )
-    periods = [b - a for a, b in itertools.pairwise(sink.arrivals[args.warmup :])]
+    periods = [b - a for a, b in itertools.pairwise(sink.arrivals[max(args.warmup - 1, 0) :])]
     row["period_seconds"] = statistics.median(periods) if periods else float("nan")
     row["games_per_second"] = games / row["step_seconds"]
+    if tables:
+        row["update_profile"] = tables
     return row
 
 
 @contextlib.contextmanager
-def profiled_update(active: bool, call: int):
+def profiled_update(active: bool, call: int, tables: dict):
     """With `active`, rank 0's update (`grpo.learn`, run in this process) at its `call`-th
-    call runs under the torch profiler, whose table (host time by op) is printed."""
+    call runs under the torch profiler: its tables by host and by device time go into
+    `tables`, and the first is printed."""
     if not active:
         yield
         return
@@ -102,7 +106,10 @@ def profiled_update(active: bool, call: int):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             result = learn(*args, **kwargs)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        averages = prof.key_averages()
+        for sort in ("self_cpu_time_total", "self_cuda_time_total")[: len(activities)]:
+            tables[sort] = averages.table(sort_by=sort, row_limit=30)
+        print(tables["self_cpu_time_total"])
         return result
 
     grpo.learn = traced

@@ -13,7 +13,7 @@ from rlcore.envs.registry import load_environment
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.rollout import run_rollouts
-from rlcore.train.common import TRAINER_STATE
+from rlcore.train.common import TRAINER_STATE, autocast
 from rlcore.train.config import ConfigError, LossConfig, RLConfig, SFTConfig, build_config
 from rlcore.train.grpo import run_rl
 from rlcore.train.sampling import StratifiedSampler
@@ -76,6 +76,21 @@ def rl_config(model: str, tmp_path, **changes) -> RLConfig:
 
 # ---------------------------------------------------------------------------------------
 # Training sequences
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
+def test_a_cuda_training_pass_never_takes_cudnn_attention():
+    # cuDNN's attention plans every new batch shape on the host (15-20 ms a call on an
+    # H200), and a step's micro-batches take new shapes every step; set here on a CPU
+    # build, the flags are what a CUDA pass would see.
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with autocast(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # other code's choice left as it was
+    with autocast(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_a_real_multi_turn_rollout_becomes_sequences_masked_on_sampled_tokens(tiny_model):

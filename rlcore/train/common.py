@@ -50,11 +50,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# The attention kernels a training pass may use on CUDA. Not cuDNN's: it builds an
+# execution plan for every new batch shape on the host (15-20 ms forward, ~14 ms backward,
+# seen in the torch profiler on an H200), and a step's micro-batches come in new shapes
+# every step (docs/BENCHMARKS.md, "cuDNN attention's plans").
+TRAINING_ATTENTION = (
+    torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+    torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+    torch.nn.attention.SDPBackend.MATH,
+)
+
+
+@contextlib.contextmanager
 def autocast(device: torch.device):
-    """bf16 autocast on CUDA (weights stay fp32 for the optimizer); nothing on CPU."""
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """bf16 autocast on CUDA (weights stay fp32 for the optimizer), attention by
+    TRAINING_ATTENTION's kernels; nothing on CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    with (
+        torch.autocast(device_type="cuda", dtype=torch.bfloat16),
+        torch.nn.attention.sdpa_kernel(list(TRAINING_ATTENTION)),
+    ):
+        yield
 
 
 def model_path(model: str) -> str:
