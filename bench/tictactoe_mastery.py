@@ -58,7 +58,7 @@ from rlcore.evaluate import EvalConfig, run_eval  # noqa: E402
 from rlcore.events import ConsoleSink  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 from rlcore.train.config import RLConfig, SFTConfig, SynthConfig, build_config  # noqa: E402
-from rlcore.train.grpo import run_rl  # noqa: E402
+from rlcore.train.distributed import run_rl_ranks  # noqa: E402
 from rlcore.train.select import BEST, choose_save, saved_steps  # noqa: E402
 from rlcore.train.sft import run_sft  # noqa: E402
 from rlcore.train.synth import run_synth  # noqa: E402
@@ -360,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rl-select-games", type=int, default=500, help="validation games per opponent"
     )
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
+    parser.add_argument(
+        "--rl-processes",
+        type=int,
+        default=1,
+        help="data-parallel RL processes, each rolling out and training its share of a step",
+    )
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument(
         "--base-games",
@@ -373,6 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument(
+        "--merges",
+        type=int,
+        default=0,
+        help="the tiny model's tokenizer with up to this many byte-pair merges learned on "
+        "tic-tac-toe games (about half the tokens a game; 0: one token a character)",
+    )
     parser.add_argument("--skip-base", action="store_true", help="do not evaluate the base model")
     parser.add_argument(
         "--quick",
@@ -402,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     if partial is None:
         times: dict[str, float] = {}
         checkpoints: dict[str, str] = {}
-        base = ensure_tiny_model(hidden_size=args.hidden_size, num_layers=args.num_layers)
+        base = ensure_tiny_model(
+            hidden_size=args.hidden_size, num_layers=args.num_layers, merges=args.merges
+        )
         checkpoints["base"] = base
 
         # 2. Teacher data from the random-valid player; losses and unfinished games dropped.
@@ -485,8 +500,9 @@ def main(argv: list[str] | None = None) -> int:
             "seed": VALIDATION_SEED,
         },
         device=args.device,
+        processes=args.rl_processes,
     )
-    rl_dir = run_rl(
+    rl_dir = run_rl_ranks(
         rl_config,
         DeadlineSink(
             deadline,

@@ -228,3 +228,63 @@ def test_ensure_refuses_a_non_empty_directory_that_is_not_a_model(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a tiny model directory"):
         ensure_tiny_model(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def game_texts(tokenizer):
+    """Chat-rendered games of the random-valid player, other seeds than the merges'."""
+    import asyncio
+
+    from rlcore.envs.tictactoe import TicTacToeEnv
+    from rlcore.envs.tictactoe_players import RandomValidPolicy
+    from rlcore.rollout import run_rollouts
+    from rlcore.types import SamplingParams
+
+    env = TicTacToeEnv()
+    games = asyncio.run(
+        run_rollouts(env, RandomValidPolicy(), env.examples(40, seed=99), sampling=SamplingParams())
+    )
+    return [tokenizer.apply_chat_template(game.messages, tokenize=False) for game in games]
+
+
+def test_merges_halve_a_game_and_keep_moves_tags_and_text_whole(tokenizer, game_texts):
+    merged = build_tiny_tokenizer(merges=256)
+    assert len(merged) > len(tokenizer)
+
+    def count(t):
+        return sum(len(t(text, add_special_tokens=False)["input_ids"]) for text in game_texts)
+
+    assert count(merged) < 0.6 * count(tokenizer)
+    for text in game_texts:  # lossless
+        assert merged.decode(merged(text, add_special_tokens=False)["input_ids"]) == text
+    for token in [*TAG_TOKENS, "<|im_start|>", "<|im_end|>", *"0123456789"]:
+        assert len(merged(token, add_special_tokens=False)["input_ids"]) == 1, token
+    # A move is one token after the tag, as the sound mass reads it.
+    ids = merged("<move>7</move>", add_special_tokens=False)["input_ids"]
+    assert merged.convert_ids_to_tokens(ids) == ["<move>", "7", "</move>"]
+
+
+def test_merges_are_learned_the_same_every_time_and_name_their_own_build():
+    from rlcore.policy.tiny import learned_merges
+
+    first = learned_merges(64)
+    assert first == learned_merges(64) and 0 < len(first) <= 64
+    # The default build keeps its name; a build with merges gets another.
+    assert tiny_config_hash() == tiny_config_hash(merges=0) != tiny_config_hash(merges=256)
+    with pytest.raises(ValueError, match="merges must be a non-negative integer"):
+        tiny_config_hash(merges=-1)
+
+
+def test_a_model_with_merges_reloads_with_the_same_tokenizer(tmp_path, game_texts):
+    from rlcore.policy.prompts import prefix_reuse_problem
+
+    path = build_tiny_model(tmp_path / "merged", merges=256, **SMALL)
+    reloaded = AutoTokenizer.from_pretrained(path)
+    built = build_tiny_tokenizer(merges=256)
+    assert len(reloaded) == len(built) == AutoModelForCausalLM.from_pretrained(path).vocab_size
+    for text in game_texts:
+        assert reloaded.encode(text, add_special_tokens=False) == built.encode(
+            text, add_special_tokens=False
+        )
+    assert prefix_reuse_problem(reloaded) is None  # the engine's prompt cache still applies
+    assert read_json(path, "rlcore_tiny.json")["merges"] == 256

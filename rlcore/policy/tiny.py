@@ -55,7 +55,17 @@ DEFAULT_SIZE = {
     "intermediate_size": 512,
     "max_position_embeddings": 2048,
     "seed": 0,
+    # Byte-pair merges learned on tic-tac-toe games (`learned_merges`); 0: characters.
+    "merges": 0,
 }
+# Options that may be 0; and those left out of a build's hash at their default, so the
+# default model keeps the name it had before they existed.
+ZERO_ALLOWED = ("seed", "merges")
+HASHED_ONLY_IF_SET = ("merges",)
+# The games the merges are learned on: the random-valid teacher's, as the mastery
+# benchmark's SFT data are, from a fixed seed.
+MERGE_CORPUS_GAMES = 1000
+MERGE_CORPUS_SEED = 11
 
 # ChatML. Every message renders the same way wherever it sits in the conversation, so the
 # prompt of turn k is a prefix of the prompt of turn k+1 (multi-turn training relies on it).
@@ -122,8 +132,63 @@ def _byte_level(text: str) -> str:
     return "".join(alphabet[byte] for byte in text.encode("utf-8"))
 
 
-def build_tiny_tokenizer():
-    """The character-level tokenizer, as a `PreTrainedTokenizerFast` with the chat template.
+def learned_merges(count: int) -> list[tuple[str, str]]:
+    """Up to `count` byte-level BPE merges learned (Hugging Face `tokenizers`, pairs seen at
+    least twice) on `MERGE_CORPUS_GAMES` tic-tac-toe games of the random-valid teacher,
+    rendered with the chat template, the added tokens cut out. The split is the tiny
+    tokenizer's (Qwen2's regex), so merges stay inside its pieces: every digit stays a token
+    of its own (a move is one token), and the prompts' words and board rows merge. The same
+    list every time (the games are seeded; the trainer is deterministic)."""
+    import asyncio
+    import re
+
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from rlcore.envs.tictactoe import TicTacToeEnv
+    from rlcore.envs.tictactoe_players import RandomValidPolicy
+    from rlcore.rollout import run_rollouts
+    from rlcore.types import SamplingParams
+
+    env = TicTacToeEnv()
+    games = asyncio.run(
+        run_rollouts(
+            env,
+            RandomValidPolicy(),
+            env.examples(MERGE_CORPUS_GAMES, seed=MERGE_CORPUS_SEED),
+            sampling=SamplingParams(),
+        )
+    )
+    characters = build_tiny_tokenizer()
+    added = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TAG_TOKENS))
+    corpus = [
+        piece
+        for game in games
+        for piece in added.split(characters.apply_chat_template(game.messages, tokenize=False))
+        if piece
+    ]
+    learner = Tokenizer(models.BPE())
+    learner.normalizer = normalizers.NFC()
+    learner.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    alphabet = byte_alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + count,
+        min_frequency=2,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    learner.train_from_iterator(corpus, trainer)
+    merges = json.loads(learner.to_str())["model"]["merges"]
+    return [tuple(pair.split(" ")) if isinstance(pair, str) else tuple(pair) for pair in merges]
+
+
+def build_tiny_tokenizer(merges: int = 0):
+    """The character-level tokenizer (with `merges`, up to that many `learned_merges` on
+    top), as a `PreTrainedTokenizerFast` with the chat template.
 
     It is a byte-level BPE laid out exactly like Qwen2's (NFC, Qwen's split regex, byte-level
     pre-tokenizer and decoder): transformers 5 loads any `qwen2` checkpoint's tokenizer through
@@ -146,19 +211,23 @@ def build_tiny_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {token: token_id for token_id, token in enumerate(byte_alphabet())}
-    merges = []
+    pairs: list[tuple[str, str]] = []
     for character in EXTRA_CHARACTERS:
         pieces = list(_byte_level(character))
         while len(pieces) > 1:
-            merged = pieces[0] + pieces[1]
-            if (pieces[0], pieces[1]) not in merges:
-                merges.append((pieces[0], pieces[1]))
-            vocab.setdefault(merged, len(vocab))
-            pieces = [merged, *pieces[2:]]
+            pairs.append((pieces[0], pieces[1]))
+            pieces = [pieces[0] + pieces[1], *pieces[2:]]
+    if merges:
+        pairs += learned_merges(merges)
+    kept = []
+    for pair in pairs:  # in rank order; each merged token gets the next id
+        if pair not in kept:
+            kept.append(pair)
+            vocab.setdefault(pair[0] + pair[1], len(vocab))
     backend = Tokenizer(
         models.BPE(
             vocab=vocab,
-            merges=merges,
+            merges=kept,
             continuing_subword_prefix="",
             end_of_word_suffix="",
             fuse_unk=False,
@@ -204,7 +273,7 @@ def _size_config(size: dict) -> dict:
             raise ValueError(
                 f"tiny model option {name} must be a non-negative integer, got {value!r}"
             )
-        if name != "seed" and value == 0:
+        if name not in ZERO_ALLOWED and value == 0:
             raise ValueError(f"tiny model option {name} must be positive, got 0")
     if config["hidden_size"] % config["num_heads"]:
         raise ValueError(
@@ -223,9 +292,11 @@ def build_tiny_model(
     intermediate_size: int = 512,
     max_position_embeddings: int = 2048,
     seed: int = 0,
+    merges: int = 0,
 ) -> str:
-    """Build the tiny model with weights drawn from `seed` and save model, tokenizer and
-    generation config to `path` (created if missing). Returns the path as a string."""
+    """Build the tiny model with weights drawn from `seed` (and a tokenizer with up to
+    `merges` learned merges) and save model, tokenizer and generation config to `path`
+    (created if missing). Returns the path as a string."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -237,9 +308,10 @@ def build_tiny_model(
             "intermediate_size": intermediate_size,
             "max_position_embeddings": max_position_embeddings,
             "seed": seed,
+            "merges": merges,
         }
     )
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(size["merges"])
     tokenizer.model_max_length = size["max_position_embeddings"]
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
@@ -295,6 +367,9 @@ def _make_tokenizer_config_portable(directory: Path) -> None:
 def tiny_config_hash(**size: int) -> str:
     """Short hash naming one tiny model build (size options, seed and format version)."""
     config = {"format_version": TINY_FORMAT_VERSION, **_size_config(size)}
+    for name in HASHED_ONLY_IF_SET:
+        if config[name] == DEFAULT_SIZE[name]:
+            del config[name]
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
 
 
