@@ -166,7 +166,7 @@ def check_split(model_path: str, device: str) -> dict:
         ids = generation.prompt_ids + generation.completion_ids
         input_ids = torch.tensor([ids], device=train_device)
         with torch.no_grad():
-            logprobs, *_ = token_logprobs(model, input_ids, torch.ones_like(input_ids), 1.0)
+            logprobs, *_ = token_logprobs(model, input_ids, 1.0)
         trainer = logprobs[0, len(generation.prompt_ids) - 1 :].tolist()
         return max(abs(a - b) for a, b in zip(generation.logprobs, trainer, strict=True))
 

@@ -463,10 +463,8 @@ def test_train_think_off_leaves_the_think_block_out_of_the_gradient(thinking_mod
                 else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
             )
             sequences += training_sequences(rollout, [1.0] * len(rollout.turns), "token", thinks)
-        input_ids, attention, weights, advantages = collate(
-            sequences, tokenizer.pad_token_id, "cpu"
-        )
-        logprobs, *_ = token_logprobs(model, input_ids, attention, 1.0)
+        input_ids, _, weights, advantages = collate(sequences, tokenizer.pad_token_id, "cpu")
+        logprobs, *_ = token_logprobs(model, input_ids, 1.0)
         logprobs = logprobs.detach().requires_grad_(True)
         loss, _ = policy_loss(
             logprobs, logprobs.detach(), None, advantages, weights, LossConfig(), 1.0

@@ -107,10 +107,10 @@ def test_the_loss_reads_the_log_probability_of_the_sound_moves(played, tiny_mode
     _, tokenizer, _, sequences = played
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     chunk = sequences[:5]
-    input_ids, attention, *_ = collate(chunk, tokenizer.pad_token_id, "cpu")
+    input_ids, *_ = collate(chunk, tokenizer.pad_token_id, "cpu")
     sets = move_set_rows(chunk, "cpu")
     with torch.no_grad():
-        _, _, best = token_logprobs(model, input_ids, attention, 0.7, move_sets=sets)
+        _, _, best = token_logprobs(model, input_ids, 0.7, move_sets=sets)
     expected = []
     for sequence in chunk:
         for at, ids in sequence.move_sets:
@@ -125,11 +125,11 @@ def test_training_on_the_term_alone_raises_the_sound_mass(played, tiny_model):
     _, tokenizer, _, sequences = played
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    input_ids, attention, *_ = collate(sequences, tokenizer.pad_token_id, "cpu")
+    input_ids, *_ = collate(sequences, tokenizer.pad_token_id, "cpu")
     sets = move_set_rows(sequences, "cpu")
 
     def mass():
-        return token_logprobs(model, input_ids, attention, 1.0, move_sets=sets)[2]
+        return token_logprobs(model, input_ids, 1.0, move_sets=sets)[2]
 
     with torch.no_grad():
         before = mass().exp().mean()

@@ -229,15 +229,18 @@ def policy_loss(
     return total, stats
 
 
-def token_logprobs(
-    model, input_ids, attention_mask, temperature: float, with_entropy=False, move_sets=None
-):
+def token_logprobs(model, input_ids, temperature: float, with_entropy=False, move_sets=None):
     """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
     (the distribution the engine sampled from), optionally its entropy, and with
     `move_sets` (sequences.move_set_rows) the log of the summed probability of each judged
     move's best options, shape [K] (else None). Gathering minus logsumexp avoids a second
-    vocabulary-sized tensor for the log-softmax."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    vocabulary-sized tensor for the log-softmax.
+
+    `input_ids` are right-padded (`collate`), so no padding mask is passed: under the
+    causal mask a sequence's tokens never see the padding after them, and without a mask
+    attention runs as plain causal attention (flash kernels on a GPU, no [B, T, T] mask
+    built), where the padding positions' own values are garbage no weight reads."""
+    logits = model(input_ids=input_ids).logits[:, :-1]
     logits = logits.float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_normalizer
@@ -339,14 +342,12 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     for index, chunk in enumerate(chunks):
         if learner.should_stop():
             raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run")
-        input_ids, attention_mask, weights, _ = collate(chunk, learner.pad_id, learner.device)
+        input_ids, _, weights, _ = collate(chunk, learner.pad_id, learner.device)
         with autocast(learner.device):
-            old, entropy, _ = token_logprobs(
-                learner.model, input_ids, attention_mask, temperature, True
-            )
+            old, entropy, _ = token_logprobs(learner.model, input_ids, temperature, True)
             ref = None
             if learner.reference is not None:
-                ref, *_ = token_logprobs(learner.reference, input_ids, attention_mask, temperature)
+                ref, *_ = token_logprobs(learner.reference, input_ids, temperature)
         sums.add(sampling_stats(chunk, old, entropy, weights))
         for row, sequence in enumerate(chunk):
             length = len(sequence.input_ids) - 1
@@ -381,12 +382,11 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
         for index, (chunk, batch, sets) in enumerate(zip(chunks, batches, move_sets, strict=True)):
             if iteration == 0 and learner.should_stop():
                 raise StepStopped(f"update 1: micro-batch {index + 1} of {len(chunks)} not run")
-            input_ids, attention_mask, weights, advantages = batch
+            input_ids, _, weights, advantages = batch
             with autocast(learner.device):
                 logprobs, entropy, best = token_logprobs(
-                    learner.model, input_ids, attention_mask, cfg.sampling.temperature,
-                    single_pass, sets,
-                )  # fmt: skip
+                    learner.model, input_ids, cfg.sampling.temperature, single_pass, sets
+                )
             width, device = weights.shape[1], learner.device
             if single_pass:
                 old = logprobs.detach()
