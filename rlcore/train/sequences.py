@@ -181,8 +181,9 @@ def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[Tra
 
 
 def collate(chunk: list[TrainingSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
-    """Right-padded input ids, attention mask, and the per-target weights and advantages
-    (the first token is never predicted, so they start at the second). Built in two host
+    """Right-padded input ids, attention mask (the trainer's causal passes need none:
+    `grpo.token_logprobs`), and the per-target weights and advantages (the first token is
+    never predicted, so they start at the second). Built in two host
     arrays (ids with mask, weights with advantages), so two copies reach the device."""
     # On a GPU every new batch shape pays once for its kernels' set-up (attention plans,
     # allocator blocks); widths in steps of GPU_WIDTH_STEP repeat from step to step.
