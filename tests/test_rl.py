@@ -3,19 +3,22 @@ checkpoints and resume."""
 
 import asyncio
 import json
+import pickle
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.envs.registry import load_environment
+from rlcore.evaluate import summarize
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.rollout import run_rollouts
-from rlcore.train.common import TRAINER_STATE, autocast
+from rlcore.train.common import TRAINER_STATE, autocast, model_path
 from rlcore.train.config import ConfigError, LossConfig, RLConfig, SFTConfig, build_config
-from rlcore.train.grpo import run_rl
+from rlcore.train.grpo import for_log, run_rl, step_advantages
 from rlcore.train.sampling import StratifiedSampler
 from rlcore.train.sequences import build_sequences, think_length, training_sequences
 from rlcore.train.sft import run_sft
@@ -365,6 +368,52 @@ def test_tree_advantages_run_on_tictactoe_with_positions_named_by_the_board(tiny
     # stay on one board: the same positions, the same return, no advantage anywhere.
     assert metrics["advantage/zero_turn_rate"] == 1.0
     assert metrics["optim/grad_norm"] == 0.0
+
+
+def test_a_rank_sends_rank_0_its_rollouts_without_the_token_ids_and_the_log_reads_the_same(
+    tmp_path,
+):
+    # Real games of the shipped player at temperature 1 (wins, draws, losses and some
+    # invalid moves), one group an opening: what rank 0 logs from the slim copies must be
+    # what it would log from the rollouts themselves.
+    torch.manual_seed(0)
+    env = load_environment("tictactoe", opening_moves=2, num_groups=2)
+    engine = LocalEngine(str(model_path("tiny-master")), device="cpu")
+    rollouts = asyncio.run(
+        run_rollouts(
+            env,
+            engine,
+            env.examples(8, seed=3),
+            sampling=SamplingParams(max_tokens=24, temperature=1.0),
+            rollouts_per_example=4,
+        )
+    )
+    slim = [for_log(r) for r in rollouts]
+    assert len({r.reward for r in rollouts}) > 1  # the advantages below are not all zero
+    for full, sent in zip(rollouts, slim, strict=True):
+        assert sent.to_dict() == full.to_dict()
+        assert [t.state_key for t in sent.turns] == [t.state_key for t in full.turns]
+        assert all(t.prompt_ids == [] and t.completion_ids == [] for t in sent.turns)
+        assert all(t.completion_ids for t in full.turns)  # the original is untouched
+    for advantage in ("group", "tree"):
+        cfg = rl_config(
+            "tiny-master",
+            tmp_path,
+            env="tictactoe",
+            env_args={},
+            rollouts_per_example=4,
+            advantage=advantage,
+            turn_reward_weight=1.0,
+        )
+        full_turns, full_metrics = step_advantages(env, rollouts, cfg)
+        slim_turns, slim_metrics = step_advantages(env, slim, cfg)
+        assert slim_turns == full_turns and slim_metrics == full_metrics
+        assert full_metrics["advantage/abs_mean"] > 0
+    assert summarize(env, slim, 1.0) == summarize(env, rollouts, 1.0)
+    assert len(pickle.dumps(slim)) < len(pickle.dumps(rollouts)) / 3
+    # Without the env's name for a position, tree advantages key on the prompt: kept.
+    nameless = for_log(replace(rollouts[0], turns=[replace(rollouts[0].turns[0], state_key=None)]))
+    assert nameless.turns[0].prompt_ids == rollouts[0].turns[0].prompt_ids
 
 
 def test_a_stop_request_saves_a_checkpoint_at_the_last_finished_step(tiny_model, tmp_path):

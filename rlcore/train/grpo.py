@@ -37,7 +37,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -93,7 +93,7 @@ from rlcore.train.sequences import (
     training_sequences,
 )
 from rlcore.train.sound_mass import attach_move_sets
-from rlcore.types import Rollout, SamplingParams
+from rlcore.types import Rollout, SamplingParams, Turn
 
 # Config fields a resumed run may change without changing what it computes.
 # Data-parallel rank r seeds its sampling with seed + r x this (rank 0: the run's seed).
@@ -131,6 +131,23 @@ def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tok
             advantage_metrics["sound_mass/moves"] = float(judged)
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
     return sequences, normalizer, advantage_metrics
+
+
+def for_log(rollout: Rollout) -> Rollout:
+    """A rollout as a data-parallel rank sends it to rank 0 for step 6: without the token
+    ids and logprobs its turns were trained on (most of its pickled size), keeping what
+    the log, the summary and the advantage metrics read. A turn keeps its prompt ids only
+    where the env names no position (`state_key`), since tree advantages key on them."""
+    turns = [
+        Turn(
+            prompt_ids=[] if turn.state_key is not None else turn.prompt_ids,
+            completion_ids=[],
+            finish_reason=turn.finish_reason,
+            state_key=turn.state_key,
+        )
+        for turn in rollout.turns
+    ]
+    return replace(rollout, turns=turns)
 
 
 def step_advantages(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
@@ -632,7 +649,13 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             updated = time.monotonic()
             tokens = sum(len(s.input_ids) for s in sequences)
             if ranks.parallel:  # rank 0 logs the whole batch: every rank's rollouts
-                shares = ranks.gather((rollouts, tokens, advantage_metrics.get("sound_mass/moves")))
+                shares = ranks.gather(
+                    (
+                        [for_log(r) for r in rollouts],
+                        tokens,
+                        advantage_metrics.get("sound_mass/moves"),
+                    )
+                )
                 if not ranks.is_main:
                     continue
                 rollouts = [r for share, _, _ in shares for r in share]
