@@ -523,7 +523,7 @@ class ServerThread:
 
 
 def load_engine(model: str, *, device: str = "auto", max_batch_size: int = 64) -> LocalEngine:
-    """The local engine for MODEL: 'tiny' (built on first use), 'tiny-master', a directory,
+    """The local engine for MODEL: 'tiny' or 'tiny-bpe' (built on first use), 'tiny-master', a directory,
     or a hub id."""
     from rlcore.policy import load_policy
 
@@ -539,7 +539,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m rlcore.serve")
         description="Serve a model over the OpenAI chat-completions API.",
     )
     parser.add_argument(
-        "model", help="'tiny', 'tiny-master', a Hugging Face checkpoint directory, or a hub id"
+        "model",
+        help="'tiny', 'tiny-bpe', 'tiny-master', a Hugging Face checkpoint directory, or a hub id",
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=int, default=8000, help="TCP port")

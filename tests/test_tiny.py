@@ -288,3 +288,25 @@ def test_a_model_with_merges_reloads_with_the_same_tokenizer(tmp_path, game_text
         )
     assert prefix_reuse_problem(reloaded) is None  # the engine's prompt cache still applies
     assert read_json(path, "rlcore_tiny.json")["merges"] == 256
+
+
+def test_tiny_bpe_names_the_tiny_model_with_merges_everywhere_a_model_is_named(
+    tmp_path, monkeypatch
+):
+    from rlcore.policy import load_policy
+    from rlcore.policy.tiny import BUILTIN_MODELS, TINY_BPE_MERGES, builtin_model_path
+    from rlcore.train.common import load_model_and_tokenizer, model_path
+    from workers.engines import model_path as server_model_path
+
+    monkeypatch.setenv("RLCORE_HOME", str(tmp_path))
+    assert "tiny-bpe" in BUILTIN_MODELS and TINY_BPE_MERGES == 256
+    path = builtin_model_path("tiny-bpe")
+    assert path == model_path("tiny-bpe") == server_model_path("tiny-bpe")
+    assert path.startswith(str(tmp_path)) and path != builtin_model_path("tiny")
+    assert read_json(path, "rlcore_tiny.json")["merges"] == TINY_BPE_MERGES
+    network, tokenizer = load_model_and_tokenizer("tiny-bpe", torch.device("cpu"))
+    plain = AutoTokenizer.from_pretrained(builtin_model_path("tiny"))
+    board = "X.O\n.X.\nO..\nYou are X. Your move."
+    assert len(tokenizer.encode(board)) < len(plain.encode(board))
+    assert network.config.vocab_size == len(tokenizer)
+    assert load_policy("tiny-bpe", device="cpu").name == "tiny-bpe"

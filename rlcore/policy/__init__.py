@@ -1,7 +1,8 @@
 """Policies: one interface (`Policy.generate`), several backends, and `load_policy` that
 turns a CLI/web model string into the right one.
 
-MODEL strings: `tiny` (the built-in tiny model, built on first use), `tiny-master` (the
+MODEL strings: `tiny` (the built-in tiny model, built on first use; `tiny-bpe` the same
+with a tokenizer of merges learned on tic-tac-toe games), `tiny-master` (the
 tic-tac-toe player the lab ships, rlcore/data/tiny-master), a checkpoint directory or hub
 id (local transformers engine), an environment built-in (`oracle`, `random`, `constant`),
 or any served model name when `base_url` is given (OpenAI client).

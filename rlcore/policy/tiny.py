@@ -380,16 +380,23 @@ def _is_built(directory: Path) -> bool:
 # The tic-tac-toe player the lab ships: the tiny model after SFT on 200 random-valid games and
 # RL against minimax (recipes/tictactoe_tiny/rl_gpu.toml); its README.md is the model card.
 TINY_MASTER_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny-master"
+# `tiny-bpe`: the tiny model with this many learned merges in its tokenizer (about half the
+# tokens of a tic-tac-toe game), where the mastery recipes start (docs/mastery.md: it beat
+# the character tokenizer on the CPU profile and in round 63 on a card).
+TINY_BPE_MERGES = 256
 # Model names that stand for a directory of the lab's own, wherever a model is named.
-BUILTIN_MODELS = ("tiny", "tiny-master")
+BUILTIN_MODELS = ("tiny", "tiny-bpe", "tiny-master")
 
 
 def builtin_model_path(model: str) -> str:
-    """The directory a model name stands for: `tiny` -> the built-in tiny model's (built on
-    first use), `tiny-master` -> the shipped tic-tac-toe player's; any other name unchanged
-    (a checkpoint directory or a hub id)."""
+    """The directory a model name stands for: `tiny` -> the built-in tiny model's and
+    `tiny-bpe` -> the same model's with `TINY_BPE_MERGES` merges (each built on first use),
+    `tiny-master` -> the shipped tic-tac-toe player's; any other name unchanged (a
+    checkpoint directory or a hub id)."""
     if model == "tiny":
         return ensure_tiny_model()
+    if model == "tiny-bpe":
+        return ensure_tiny_model(merges=TINY_BPE_MERGES)
     if model == "tiny-master":
         return str(TINY_MASTER_DIR)
     return model

@@ -215,7 +215,7 @@ class SynthConfig:
     env_args: dict = field(default_factory=dict)
     """environment parameters, validated by the environment's schema"""
     model: str = "random"
-    """teacher: an env built-in (`random`, `oracle`), `tiny`, `tiny-master`, a checkpoint dir,
+    """teacher: an env built-in (`random`, `oracle`), `tiny`, `tiny-bpe`, `tiny-master`, a checkpoint dir,
     a hub id, or a served model name when `base_url` is set"""
     base_url: str | None = None
     """OpenAI-compatible endpoint for the teacher (vLLM, OpenAI, `rlcore serve`)"""
@@ -263,7 +263,8 @@ class SFTConfig:
     on assistant tokens only."""
 
     model: str = "tiny"
-    """`tiny` (the built-in tiny model), `tiny-master` (the shipped tic-tac-toe player), a
+    """`tiny` (the built-in tiny model), `tiny-bpe` (the same with a tokenizer of 256 merges
+    learned on tic-tac-toe games), `tiny-master` (the shipped tic-tac-toe player), a
     checkpoint directory, or a Hugging Face hub id"""
     dataset: str = "runs/synth/dataset.jsonl"
     """JSONL file, one {"messages": [...]} conversation per line (as `synth` writes)"""
@@ -308,7 +309,7 @@ class RLConfig:
     """On-policy RL (GRPO family) of a local model on a multi-turn environment."""
 
     model: str = "tiny"
-    """starting policy: `tiny`, `tiny-master`, a checkpoint directory (e.g. the SFT run's
+    """starting policy: `tiny`, `tiny-bpe`, `tiny-master`, a checkpoint directory (e.g. the SFT run's
     final/), or a hub id"""
     env: str = "tictactoe"
     """environment name"""

@@ -66,7 +66,7 @@ def test_a_built_in_tiny_model_is_one_of_the_shipped_names(alice):
     with pytest.raises(ValidationError) as caught:
         services.model_create(owner=alice, name="x", kind="tiny", location="/etc/passwd")
     message = caught.value.message_dict["location"][0]
-    assert "tiny, tiny-master" in message and "/etc/passwd" in message
+    assert "tiny, tiny-bpe, tiny-master" in message and "/etc/passwd" in message
     assert not ModelEntry.objects.filter(name="x").exists()
 
 
@@ -291,6 +291,16 @@ def test_sft_offers_the_users_own_synth_datasets_newest_first(alice, bob, real_s
     choices = [value for value, _ in JobForm(kind="sft", user=alice).fields["dataset"].choices]
     assert choices == ["", paths[1], paths[0]]
     assert JobForm(kind="sft", user=bob).fields["dataset"].choices[1][0] == paths[2]
+
+
+def test_sft_starts_from_the_model_its_recipe_names_when_the_user_has_it(alice, tiny):
+    # Without a `tiny-bpe` entry the form keeps its usual choice (the newest model).
+    assert JobForm(kind="sft", user=alice).fields["model"].initial == tiny.pk
+    bpe = services.model_create(owner=alice, name="bpe", kind="tiny", location="tiny-bpe")
+    services.model_create(owner=alice, name="newer", kind="tiny", location="tiny")
+    assert services.recipe_values("sft")["model"] == "tiny-bpe"
+    assert JobForm(kind="sft", user=alice).fields["model"].initial == bpe.pk
+    assert JobForm(kind="rl", user=alice).fields["model"].initial != bpe.pk  # sft only
 
 
 def test_retries_and_requeues_say_where_they_came_from(alice, ttt_config, oracle, alice_client):

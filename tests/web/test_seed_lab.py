@@ -17,6 +17,7 @@ def test_it_seeds_the_admin_once(django_user_model, capsys):
     models = {m.name: (m.kind, m.location) for m in ModelEntry.objects.filter(owner=admin)}
     assert models == {
         "tiny": ("tiny", "tiny"),
+        "tiny-bpe": ("tiny", "tiny-bpe"),
         "tiny-master": ("tiny", "tiny-master"),
         "tictactoe oracle": ("builtin", "oracle"),
         "tictactoe random": ("builtin", "random"),
@@ -32,7 +33,7 @@ def test_it_seeds_the_admin_once(django_user_model, capsys):
     ttt.save()
     call_command("seed_lab")
     assert "already seeded" in capsys.readouterr().out
-    assert ModelEntry.objects.count() == 4 and configs.count() == len(list_environments())
+    assert ModelEntry.objects.count() == 5 and configs.count() == len(list_environments())
     assert EnvironmentConfig.objects.get(pk=ttt.pk).params["max_turns"] == 4
 
 

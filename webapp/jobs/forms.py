@@ -122,7 +122,8 @@ class ModelEntryForm(ServiceErrorsMixin, forms.Form):
         max_length=500,
         required=False,
         help_text="Directory under MODEL_ROOTS, hub id, served model name, or built-in player "
-        "(oracle, random, constant). Built-in tiny model: tiny (default) or tiny-master.",
+        "(oracle, random, constant). Built-in tiny model: tiny (default), tiny-bpe (with a "
+        "tokenizer of merges learned on tic-tac-toe) or tiny-master.",
     )
     base_url = forms.CharField(
         max_length=500,
@@ -290,6 +291,13 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         if kind == "sft":
             self.fields["env_config"].required = False
             self.fields["env_config"].help_text = "Not used by SFT."
+            # SFT starts where its recipe does (sft.toml: the built-in `tiny-bpe`) when the
+            # user has that built-in model registered.
+            named = services.recipe_values(kind, self.recipe).get("model")
+            starting = models.filter(kind=ModelEntry.Kind.TINY, location=named)
+            self.fields["model"].initial = (
+                starting.values_list("pk", flat=True).first() or self.fields["model"].initial
+            )
         defaults = services.kind_defaults(kind, self.recipe)
         self.settings: list[str] = []
         self.lists: set[str] = set()  # settings entered as comma-separated text
