@@ -105,9 +105,13 @@ def test_make_run_restarts_a_dead_worker_keeps_the_web_up_and_stops_cleanly_on_c
     }
     sessions: set[int] = set()
     with output.open("w") as out:
-        # -o: the virtual environment counts as installed (no pip run in a test)
+        # -o: the virtual environment counts as installed (no pip run in a test). A terminal
+        # starts its foreground job with Ctrl-C's default action; a test run started in the
+        # background (`make test &`, nohup) passes on SIGINT ignored, which bash cannot
+        # trap, so the job gets the terminal's disposition back.
         run = subprocess.Popen(["make", "-o", ".venv/.installed", "run"], cwd=REPO, env=env,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         wait_for(lambda: web_answers(web_port), 240, "the lab does not answer", output)
         # Redis was started by run.sh, persistent, with its files under RLLAB_VAR_DIR...
