@@ -50,8 +50,8 @@ class EvalConfig:
     env: str
     """Registered environment name (see `python -m rlcore envs`)."""
     model: str
-    """`tiny`, `tiny-bpe`, `tiny-master`, a checkpoint directory or hub id, an env built-in (`oracle`,
-    `random`, `constant`), or a served model name when `base_url` is set."""
+    """`tiny`, `tiny-bpe`, `tiny-master`, a checkpoint directory or hub id, an env built-in
+    (`oracle`, `random`, `constant`), or a served model name when `base_url` is set."""
     env_args: dict = field(default_factory=dict)
     """Environment parameters; validated against the env's schema, defaults filled in."""
     num_examples: int = 10

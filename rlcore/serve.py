@@ -523,8 +523,8 @@ class ServerThread:
 
 
 def load_engine(model: str, *, device: str = "auto", max_batch_size: int = 64) -> LocalEngine:
-    """The local engine for MODEL: 'tiny' or 'tiny-bpe' (built on first use), 'tiny-master', a directory,
-    or a hub id."""
+    """The local engine for MODEL: 'tiny' or 'tiny-bpe' (built on first use), 'tiny-master',
+    a directory, or a hub id."""
     from rlcore.policy import load_policy
 
     engine = load_policy(model, device=device)  # no base_url and no env: a LocalEngine

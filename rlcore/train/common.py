@@ -76,7 +76,8 @@ def autocast(device: torch.device):
 
 
 def model_path(model: str) -> str:
-    """`tiny`, `tiny-bpe` and `tiny-master` -> their directories (tiny.builtin_model_path); else unchanged."""
+    """`tiny`, `tiny-bpe` and `tiny-master` -> their directories (tiny.builtin_model_path);
+    any other name unchanged."""
     from rlcore.policy.tiny import builtin_model_path
 
     return builtin_model_path(model)
@@ -92,8 +93,9 @@ def load_model_and_tokenizer(model: str, device: torch.device):
         network = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ValueError(
-            f"cannot load model {model!r} (looked for {path!r}): accepted are `tiny`, `tiny-bpe`, `tiny-master`, a "
-            f"checkpoint directory with config.json, or a Hugging Face hub id ({exc})"
+            f"cannot load model {model!r} (looked for {path!r}): accepted are `tiny`, `tiny-bpe`, "
+            "`tiny-master`, a checkpoint directory with config.json, or a Hugging Face hub id "
+            f"({exc})"
         ) from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -215,8 +215,8 @@ class SynthConfig:
     env_args: dict = field(default_factory=dict)
     """environment parameters, validated by the environment's schema"""
     model: str = "random"
-    """teacher: an env built-in (`random`, `oracle`), `tiny`, `tiny-bpe`, `tiny-master`, a checkpoint dir,
-    a hub id, or a served model name when `base_url` is set"""
+    """teacher: an env built-in (`random`, `oracle`), `tiny`, `tiny-bpe`, `tiny-master`, a
+    checkpoint dir, a hub id, or a served model name when `base_url` is set"""
     base_url: str | None = None
     """OpenAI-compatible endpoint for the teacher (vLLM, OpenAI, `rlcore serve`)"""
     api_key_env: str = "OPENAI_API_KEY"
@@ -309,8 +309,8 @@ class RLConfig:
     """On-policy RL (GRPO family) of a local model on a multi-turn environment."""
 
     model: str = "tiny"
-    """starting policy: `tiny`, `tiny-bpe`, `tiny-master`, a checkpoint directory (e.g. the SFT run's
-    final/), or a hub id"""
+    """starting policy: `tiny`, `tiny-bpe`, `tiny-master`, a checkpoint directory (e.g. the SFT
+    run's final/), or a hub id"""
     env: str = "tictactoe"
     """environment name"""
     env_args: dict = field(default_factory=dict)

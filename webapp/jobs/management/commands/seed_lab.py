@@ -1,9 +1,10 @@
 """`python manage.py seed_lab`: give the admin user something to start from (for `make run`).
 
 Registers, for the admin user, the built-in tiny model (characters, and "tiny-bpe" with
-merges), the shipped tic-tac-toe player "tiny-master", the tic-tac-toe oracle and random players, and one config with the schema's
-defaults for every registered environment, named "<env> (defaults)". Idempotent: what
-already exists under those names is left as it is, so edits a user made survive a restart.
+merges), the shipped tic-tac-toe player "tiny-master", the tic-tac-toe oracle and random
+players, and one config with the schema's defaults for every registered environment, named
+"<env> (defaults)". Idempotent: what already exists under those names is left as it is, so
+edits a user made survive a restart.
 """
 
 from django.contrib.auth import get_user_model
