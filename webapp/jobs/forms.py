@@ -288,17 +288,16 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         self.fields["model"].initial = (recent and recent.model_id) or (
             models.order_by("-created").values_list("pk", flat=True).first()
         )
+        defaults = services.kind_defaults(kind, self.recipe)
         if kind == "sft":
             self.fields["env_config"].required = False
             self.fields["env_config"].help_text = "Not used by SFT."
             # SFT starts where its recipe does (sft.toml: the built-in `tiny-bpe`) when the
             # user has that built-in model registered.
-            named = services.recipe_values(kind, self.recipe).get("model")
-            starting = models.filter(kind=ModelEntry.Kind.TINY, location=named)
+            starting = models.filter(kind=ModelEntry.Kind.TINY, location=defaults.get("model"))
             self.fields["model"].initial = (
                 starting.values_list("pk", flat=True).first() or self.fields["model"].initial
             )
-        defaults = services.kind_defaults(kind, self.recipe)
         self.settings: list[str] = []
         self.lists: set[str] = set()  # settings entered as comma-separated text
         for row in config_schema(services.CONFIG_CLASSES[kind]):
