@@ -79,9 +79,12 @@ def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_pa
     seconds = run["wall_seconds"]
     assert seconds["first_part"] == pytest.approx(partial["wall_seconds"]["pipeline"], abs=0.1)
     # RL stopped 2 validations' time (as the first save's took) early, and the choice of
-    # the checkpoint was spent in that room.
+    # the checkpoint was spent in that room: the budget is overrun only by what the choice
+    # took beyond its estimate (a loaded VM can slow the choice after the probe).
     room = 2 * seconds["select_probe"]
-    assert 1 * 60 - 1 - room <= seconds["pipeline"] < 1 * 60 + 15 and seconds["select"] > 0
+    beyond = max(0.0, seconds["select"] - room)
+    assert 1 * 60 - 1 - room <= seconds["pipeline"] < 1 * 60 + 15 + beyond
+    assert seconds["select"] > 0
     assert (
         set(run["stages"]) == {"sft", "rl", "rl_last"}
         and run["stages"]["rl"]["random"]["games"] == 8
