@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlcore.policy.kv_cache import PrefixCache
+from rlcore.policy.kv_cache import PrefixCache, common_prefix
 from rlcore.policy.local import LocalEngine
 from rlcore.types import SamplingParams
 
@@ -205,3 +205,27 @@ def test_the_static_store_bounds_the_snapshots_it_holds_not_only_its_entries(def
     run(policy, [history(2, index) for index in range(8, 16)], lengths)
     assert sum(s.nbytes for s in snapshots) <= decoder_store.max_bytes
     assert decoder_store.entries  # the newest stayed
+
+
+def test_a_batch_of_lookups_and_additions_is_its_rows_one_by_one():
+    rng = np.random.default_rng(1)
+    opening = rng.integers(0, 50, 40).tolist()
+    rows = [opening + rng.integers(0, 50, rng.integers(0, 40)).tolist() for _ in range(30)]
+    rows += [[1, 2, 3], []]  # shorter than a block: never stored, never found
+    one, many = PrefixCache(), PrefixCache()
+    for row in rows[:16]:
+        one.add(row, None, nbytes=10)
+    many.add_many(rows[:16], [None] * 16, [10] * 16)
+    assert [e.tokens for e in one.entries.values()] == [e.tokens for e in many.entries.values()]
+    prompts = [row + [7] for row in rows]
+    singles = [one.lookup(prompt) for prompt in prompts]
+    batch = many.lookup_many(prompts)
+    assert [(e and e.tokens, n) for e, n in singles] == [(e and e.tokens, n) for e, n in batch]
+    assert many.hits == one.hits > 0 and many.tokens_reused == one.tokens_reused
+
+
+def test_the_common_prefix_checks_what_the_hashes_promised():
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3  # one holds the other
+    assert common_prefix([1, 2, 3, 4], [1, 2, 5, 4], expected=3) == 2  # a collision's claim
+    assert common_prefix([1, 2, 3, 4, 5], [1, 2, 3, 9, 5], expected=2) == 3
+    assert common_prefix([9, 2], [1, 2], expected=1) == 0

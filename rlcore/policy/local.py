@@ -503,7 +503,7 @@ class LocalEngine(Policy):
         batch_size = len(requests)
         if self.prefix_cache is not None:
             self.prefix_cache.check_weights(self.model)
-            prefixes = [self.prefix_cache.lookup(r.prompt_ids) for r in requests]
+            prefixes = self.prefix_cache.lookup_many([r.prompt_ids for r in requests])
         else:
             prefixes = [(None, 0)] * batch_size
         cached = max(reused for _, reused in prefixes)
@@ -546,6 +546,7 @@ class LocalEngine(Policy):
             """Store these rows' prompts and replies (all but the last token: never fed)."""
             if self.prefix_cache is None:
                 return
+            tokens, kvs = [], []
             for batch_row in batch_rows:
                 index = rows[batch_row]
                 fed = len(sampled[index]) - 1
@@ -555,13 +556,14 @@ class LocalEngine(Policy):
                         torch.arange(prompt_columns, prompt_columns + fed, device=device),
                     ]
                 )
-                self.prefix_cache.add(
-                    requests[index].prompt_ids + sampled[index][:fed],
+                tokens.append(requests[index].prompt_ids + sampled[index][:fed])
+                kvs.append(
                     [
                         (layer.keys[batch_row][:, columns], layer.values[batch_row][:, columns])
                         for layer in cache.layers
-                    ],
+                    ]
                 )
+            self.prefix_cache.add_many(tokens, kvs)
 
         while True:
             if self.should_stop is not None and self.should_stop():

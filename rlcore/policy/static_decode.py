@@ -747,7 +747,7 @@ class StaticDecoder:
         seeds = [r.seed if r.seed is not None else d for r, d in zip(requests, drawn, strict=True)]
         if self.prefixes is not None:
             self.prefixes.check_weights(self.model)
-            found = [self.prefixes.lookup(r.prompt_ids) for r in requests]
+            found = self.prefixes.lookup_many([r.prompt_ids for r in requests])
         else:
             found = [(None, 0)] * len(requests)
         longest = max(len(r.prompt_ids) for r in requests) + max(r.max_new_tokens for r in requests)
@@ -925,12 +925,14 @@ class StaticDecoder:
         )
         share = snapshot.nbytes // len(collected)
         first = state.first[index].tolist()
-        for place, (request, count) in enumerate(zip(requests, fed, strict=True)):
-            self.prefixes.add(
-                state.requests[request].prompt_ids + state.results[request][0][:count],
-                _Stored(snapshot, place, first[place]),
-                nbytes=share,
-            )
+        self.prefixes.add_many(
+            [
+                state.requests[request].prompt_ids + state.results[request][0][:count]
+                for request, count in zip(requests, fed, strict=True)
+            ],
+            [_Stored(snapshot, place, start) for place, start in enumerate(first)],
+            [share] * len(requests),
+        )
         # The store counts each entry's share of its snapshot, but a snapshot is freed only
         # with its last entry: a few entries left of many snapshots (games that ended at
         # different turns) would hold far more than the store counts. So the oldest entries
