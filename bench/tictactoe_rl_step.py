@@ -2,7 +2,7 @@
 into rollout / scoring / train, on one device in one process.
 
     python bench/tictactoe_rl_step.py [--device auto] [--games 64,256,1024] [--steps 3]
-        [--micro-batch-size 128] [--profile] [--all-trained] [--no-prefix-store]
+        [--micro-batch-size 128] [--profile] [--all-trained] [--[no-]prefix-store]
         [--max-batch-size N] [--recipe TOML --model NAME]
 
 The step is `run_rl`'s (rlcore/train/grpo.py) written out with a clock between its parts,
@@ -20,7 +20,8 @@ little is trained; `--all-trained` gives every rollout an advantage of +1 or -1 
 so the train column measures a step that trains on every sequence. The `reused` column is
 the share of prompt tokens whose keys and values came from the engine's prefix store (a
 turn starting from its conversation's previous turn); `--no-prefix-store` turns the store
-off. `--max-batch-size` caps the engine's batch (default: every concurrent turn of the step
+off, `--prefix-store` keeps one where the engine would not (on a GPU, models under
+`GPU_PREFIX_STORE_MIN_PARAMETERS`). `--max-batch-size` caps the engine's batch (default: every concurrent turn of the step
 in one batch). The first step of each size (graph capture, allocator warm-up) is not timed; figures are
 medians of `--steps` steps. `--profile` runs one more step of the largest size under the
 torch profiler and prints its top operators. Writes bench/results/tictactoe_rl_step_<device>.json.
@@ -122,7 +123,7 @@ def run_size(
     micro_batch_size: int,
     profile: bool,
     all_trained: bool,
-    prefix_store: bool = True,
+    prefix_store: str = "auto",
     max_batch_size: int | None = None,
     recipe: str | None = None,
     model_name: str = "tiny",
@@ -144,7 +145,7 @@ def run_size(
         model=model,
         tokenizer=tokenizer,
         name="policy",
-        prefix_cache_bytes=None if prefix_store else 0,
+        prefix_cache_bytes={"auto": None, "on": 4 * 2**30, "off": 0}[prefix_store],
         max_batch_size=max_batch_size,
     )
     store = engine.prefix_cache
@@ -267,6 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--no-prefix-store", action="store_true", help="every turn prefills its whole prompt"
     )
     parser.add_argument(
+        "--prefix-store", action="store_true", help="a store even where the engine keeps none"
+    )
+    parser.add_argument(
         "--max-batch-size", type=int, default=None, help="engine batch cap (default: the engine's)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -287,6 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
         else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     )
     sizes = [int(n) for n in args.games.split(",")]
+    if args.no_prefix_store and args.prefix_store:
+        parser.error("--no-prefix-store and --prefix-store: choose one")
+    store = "off" if args.no_prefix_store else "on" if args.prefix_store else "auto"
     summaries, details, profile_table = [], {}, None
     for games in sizes:
         summary, measured, table = run_size(
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.micro_batch_size,
             args.profile and games == sizes[-1],
             args.all_trained,
-            not args.no_prefix_store,
+            store,
             args.max_batch_size,
             args.recipe,
             args.model,
@@ -333,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "micro_batch_size": args.micro_batch_size,
         "all_trained": args.all_trained,
-        "prefix_store": not args.no_prefix_store,
+        "prefix_store": store,
         "model": args.model,
         "recipe": args.recipe,
         "summaries": summaries,

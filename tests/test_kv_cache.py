@@ -229,3 +229,12 @@ def test_the_common_prefix_checks_what_the_hashes_promised():
     assert common_prefix([1, 2, 3, 4], [1, 2, 5, 4], expected=3) == 2  # a collision's claim
     assert common_prefix([1, 2, 3, 4, 5], [1, 2, 3, 9, 5], expected=2) == 3
     assert common_prefix([9, 2], [1, 2], expected=1) == 0
+
+
+def test_a_gpu_keeps_no_prefix_store_for_a_model_that_prefills_faster(default_tiny_model):
+    from rlcore.policy.kv_cache import DEFAULT_MAX_BYTES
+    from rlcore.policy.local import default_prefix_bytes
+
+    policy = engine(default_tiny_model)
+    assert default_prefix_bytes(policy.model, None) == DEFAULT_MAX_BYTES  # the dynamic loop
+    assert default_prefix_bytes(policy.model, "cuda:0") == 0  # 1 M parameters on a card

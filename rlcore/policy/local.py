@@ -55,6 +55,11 @@ ROW_BUCKET = 8
 # proportion to its rows, so it keeps smaller batches.
 MAX_BATCH_GPU = 1024
 MAX_BATCH_CPU = 64
+# Below this many parameters a GPU prefills a whole prompt faster than the prefix store
+# finds and copies its stored part: the tiny model's 1,024-game tic-tac-toe step rolled out
+# ~0.1 s faster without the store on an H100, its 64-game step ~0.03 s (three pairs each,
+# docs/BENCHMARKS.md). A 0.5 B model's prefill of the same prompts costs tenths of a second.
+GPU_PREFIX_STORE_MIN_PARAMETERS = 50_000_000
 DECODE_LOOPS = ("auto", "static", "dynamic")
 # A Hugging Face hub id: "name" or "owner/name", letters, digits, dots, dashes, underscores.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -86,6 +91,20 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[int, float], N
         loop.call_soon_threadsafe(callback, token, logprob)
 
     return call
+
+
+def default_prefix_bytes(model, gpu: str | None, sharers: int = 1) -> int:
+    """The prefix store's bound when none is given: DEFAULT_MAX_BYTES where the dynamic loop
+    runs; on `gpu` (the static decoder) a quarter of the card's memory split among the
+    processes sharing it, or no store for a model too small to gain from one."""
+    if gpu is None:
+        return DEFAULT_MAX_BYTES
+    if sum(p.numel() for p in model.parameters()) < GPU_PREFIX_STORE_MIN_PARAMETERS:
+        return 0
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(gpu)).total_memory
+    return total // 4 // max(sharers, 1)
 
 
 def resolve_device(device: str) -> str:
@@ -210,12 +229,9 @@ class LocalEngine(Policy):
         self._static: StaticDecoder | None = None
         self._plain_layers = decode == "dynamic" and plain_layers(self.model.config)
         if prefix_cache_bytes is None:
-            prefix_cache_bytes = DEFAULT_MAX_BYTES
-            if decode == "static" and on_gpu:
-                import torch
-
-                total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
-                prefix_cache_bytes = total // 4 // max(gpu_sharers, 1)
+            prefix_cache_bytes = default_prefix_bytes(
+                self.model, self.device if decode == "static" and on_gpu else None, gpu_sharers
+            )
         self.prefix_cache = (
             PrefixCache(prefix_cache_bytes)
             if prefix_cache_bytes > 0 and (self._plain_layers or decode == "static")
