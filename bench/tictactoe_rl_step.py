@@ -21,8 +21,8 @@ so the train column measures a step that trains on every sequence. The `reused` 
 the share of prompt tokens whose keys and values came from the engine's prefix store (a
 turn starting from its conversation's previous turn); `--no-prefix-store` turns the store
 off, `--prefix-store` keeps one where the engine would not (on a GPU, models under
-`GPU_PREFIX_STORE_MIN_PARAMETERS`). `--max-batch-size` caps the engine's batch (default: every concurrent turn of the step
-in one batch). The first step of each size (graph capture, allocator warm-up) is not timed; figures are
+`GPU_PREFIX_STORE_MIN_PARAMETERS`). `--max-batch-size` caps the engine's batch (default:
+every concurrent turn of the step in one batch). The first step of each size (graph capture, allocator warm-up) is not timed; figures are
 medians of `--steps` steps. `--profile` runs one more step of the largest size under the
 torch profiler and prints its top operators. Writes bench/results/tictactoe_rl_step_<device>.json.
 
