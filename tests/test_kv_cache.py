@@ -168,19 +168,24 @@ def test_prefix_hashes_are_the_polynomial_of_each_blocks_prefix():
     from rlcore.policy.kv_cache import _BASE
 
     store, rng = PrefixCache(), np.random.default_rng(0)
-    for length in (0, 15, 16, 17, 100, 700):
-        tokens = rng.integers(0, 200_000, length)
-        expected, value = [], 0
-        for count, token in enumerate(tokens.tolist(), start=1):
+    rows, expected = [], []
+    for length in (0, 15, 16, 17, 100, 700, 3):
+        tokens = rng.integers(0, 200_000, length).tolist()
+        hashes, value = [], 0
+        for count, token in enumerate(tokens, start=1):
             value = (value * _BASE + token + 1) % 2**64
             if count % PrefixCache.BLOCK == 0:
-                expected.append(value)
-        assert store._hashes(tokens) == expected
+                hashes.append(value)
+        assert store._rows([tokens]) == [hashes]  # alone
+        rows.append(tokens)
+        expected.append(hashes)
+    assert store._rows(rows) == expected  # and each at its place in one concatenation
     # One token changed changes the hash of every prefix holding it and no other.
-    tokens = rng.integers(0, 200_000, 64)
-    changed = tokens.copy()
+    tokens = rng.integers(0, 200_000, 64).tolist()
+    changed = list(tokens)
     changed[40] += 1
-    assert [a == b for a, b in zip(store._hashes(tokens), store._hashes(changed), strict=True)] == [
+    hashes, changed_hashes = store._rows([tokens, changed])
+    assert [a == b for a, b in zip(hashes, changed_hashes, strict=True)] == [
         True, True, False, False,
     ]  # fmt: skip
 

@@ -47,7 +47,7 @@ class PrefixEntry:
     # n, head dim]; the static decoder stores its own handle (static_decode._Stored).
     kv: Any
     nbytes: int
-    hashes: list[int]  # PrefixCache._hashes(tokens)
+    hashes: list[int]  # of its blocks' prefixes (PrefixCache._rows)
 
 
 def weights_version(model) -> tuple:
@@ -121,10 +121,6 @@ class PrefixCache:
         one = np.ones(1, dtype=np.uint64)
         self._powers = np.concatenate((one, self._powers[:-1]))  # BASE ** i from i = 0
         self._inverse_powers = np.concatenate((one, self._inverse_powers[:-1]))
-
-    def _hashes(self, tokens) -> list[int]:
-        """The hash of tokens[:BLOCK * (i + 1)] for each whole block i (see `_rows`)."""
-        return self._rows([tokens])[0]
 
     def _rows(self, rows: list) -> list[list[int]]:
         """For each row of token ids, the hashes of its whole blocks' prefixes: for each
