@@ -4,8 +4,8 @@ round's prompts looked up, then every row's prompt and reply stored, as the engi
 
     python bench/prefix_store.py [--games 1024] [--repeats 15] [--before DIR]
 
-The conversations are synthetic but shaped like the recipe's (tiny-master, character
-tokenizer): groups of 8 games share their first prompt (~170 tokens), each turn adds a
+The conversations are synthetic but shaped like the recipe's (round 60's player, the
+character tokenizer): groups of 8 games share their first prompt (~170 tokens), each turn adds a
 5-token reply and a ~40-token board message, games end after 1-6 turns (most rows in the
 first rounds). Figures are the best of `--repeats` runs of the whole step, each on a fresh
 store. With `--before DIR` (a `git worktree` of an earlier commit) the store of DIR's

@@ -410,7 +410,9 @@ def test_a_rank_sends_rank_0_its_rollouts_without_the_token_ids_and_the_log_read
         assert slim_turns == full_turns and slim_metrics == full_metrics
         assert full_metrics["advantage/abs_mean"] > 0
     assert summarize(env, slim, 1.0) == summarize(env, rollouts, 1.0)
-    assert len(pickle.dumps(slim)) < len(pickle.dumps(rollouts)) / 3
+    # What goes over the wire shrinks by the ids (each pickles to at least two bytes).
+    ids = sum(len(t.prompt_ids) + len(t.completion_ids) for r in rollouts for t in r.turns)
+    assert len(pickle.dumps(rollouts)) - len(pickle.dumps(slim)) >= 2 * ids
     # Without the env's name for a position, tree advantages key on the prompt: kept.
     nameless = for_log(replace(rollouts[0], turns=[replace(rollouts[0].turns[0], state_key=None)]))
     assert nameless.turns[0].prompt_ids == rollouts[0].turns[0].prompt_ids

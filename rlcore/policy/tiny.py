@@ -377,8 +377,9 @@ def _is_built(directory: Path) -> bool:
     return (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file()
 
 
-# The tic-tac-toe player the lab ships: the tiny model after SFT on 200 random-valid games and
-# RL against minimax (recipes/tictactoe_tiny/rl_gpu.toml); its README.md is the model card.
+# The tic-tac-toe player the lab ships: the tiny model with merges (`tiny-bpe`) after SFT on 200
+# random-valid games and RL against minimax (recipes/tictactoe_tiny/rl_gpu.toml); its README.md
+# is the model card.
 TINY_MASTER_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny-master"
 # `tiny-bpe`: the tiny model with this many learned merges in its tokenizer (about half the
 # tokens of a tic-tac-toe game), where the mastery recipes start (docs/mastery.md: it beat
