@@ -342,13 +342,6 @@ def main(argv: list[str] | None = None) -> int:
         help="env param self_play: share of the RL games whose opponent is the policy itself",
     )
     parser.add_argument(
-        "--rl-move-credit",
-        choices=("sound", "oracle"),
-        default="sound",
-        help="env param move_credit: the moves the per-move credit counts as best (every "
-        "sound move, or the oracle's own among them)",
-    )
-    parser.add_argument(
         "--rl-loss-reward",
         type=float,
         default=0.0,
@@ -480,7 +473,6 @@ def main(argv: list[str] | None = None) -> int:
             "loss_reward": args.rl_loss_reward,
             "think_reward": args.rl_think_reward,
             "self_play": args.rl_self_play,
-            "move_credit": args.rl_move_credit,
         },
         output_dir=str(out / "rl"),
         max_steps=args.rl_max_steps,

@@ -23,7 +23,6 @@ from rlcore.envs.tictactoe_game import (
     empty_cells,
     game_value,
     minimax_best_moves,
-    oracle_best_moves,
     parse_move,
     render_board,
     sound_moves,
@@ -98,7 +97,6 @@ def test_registry_builds_the_env_with_defaults():
         "reasoning": "empty",
         "think_reward": 0.0,
         "self_play": 0.0,
-        "move_credit": "sound",
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
     }
@@ -469,40 +467,6 @@ async def test_a_malformed_reply_earns_no_turn_reward_whatever_its_move():
     # A rollout stored before the format record is judged on its moves alone.
     del rollout.state["well_formed"]
     assert env.turn_rewards(rollout) == [1.0] * rollout.num_turns
-
-
-async def test_oracle_credit_pays_the_oracles_moves_most_and_other_sound_ones_half():
-    # A random player against the perfect one: its moves are the oracle's, other sound ones
-    # and unsound ones, and the record says which.
-    sound_env = TicTacToeEnv(min_random_move_prob=0.0, max_random_move_prob=0.0)
-    oracle_env = TicTacToeEnv(
-        min_random_move_prob=0.0, max_random_move_prob=0.0, move_credit="oracle"
-    )
-    rollouts = await play_all(sound_env, RandomValidPolicy(), 40)
-    paid = Counter()
-    for rollout in rollouts:
-        sound, best = rollout.state["move_sound"], rollout.state["move_best"]
-        board, replayed = ["."] * 9, []
-        for move in rollout.state["moves"]:
-            if move["player"] == "model":
-                replayed.append(move["cell"] in oracle_best_moves(board, move["mark"]))
-            board[move["cell"]] = move["mark"]
-        assert best == replayed
-        assert all(s for s, b in zip(sound, best, strict=True) if b)  # the oracle's are sound
-        assert sound_env.turn_rewards(rollout) == [1.0 if s else 0.0 for s in sound]
-        rewards = oracle_env.turn_rewards(rollout)
-        assert rewards == [
-            1.0 if b else 0.5 if s else 0.0 for s, b in zip(sound, best, strict=True)
-        ]
-        paid.update(rewards)
-        metrics = oracle_env.rollout_metrics(rollout)
-        assert metrics["best_move_rate"] == sum(best) / len(best)
-    assert paid[1.0] > 0 and paid[0.5] > 0 and paid[0.0] > 0
-    # A rollout stored before the record is credited by its sound moves alone.
-    del rollouts[0].state["move_best"]
-    assert oracle_env.turn_rewards(rollouts[0]) == sound_env.turn_rewards(rollouts[0])
-    with pytest.raises(ParamError, match="move_credit"):
-        TicTacToeEnv(move_credit="vibes")
 
 
 class _Switch(Policy):

@@ -52,7 +52,6 @@ from rlcore.envs.tictactoe_game import (
     game_over,
     move_values,
     opponent_move,
-    oracle_best_moves,
     other_mark,
     parse_move,
     play_move,
@@ -79,8 +78,6 @@ _PLAYER: contextvars.ContextVar[tuple[Policy, SamplingParams] | None] = contextv
 # A win pays 1; the draw and loss rewards are env params (an unfinished game pays the loss
 # reward), these their defaults.
 OUTCOME_REWARD = {"win": 1.0, "draw": 0.5, "loss": 0.0}
-# What the per-move credit counts as a position's best moves (the env param `move_credit`).
-MOVE_CREDITS = ("sound", "oracle")
 
 # ---------------------------------------------------------------------------------------
 # Replies and messages (shared by the environment and PlaySession)
@@ -147,9 +144,6 @@ def game_state(
         # Per model reply: whether its move was sound (kept the game-theoretic value),
         # None for an invalid reply.
         "move_sound": [],
-        # Per model reply: whether its move was one of the oracle's (`oracle_best_moves`:
-        # sound, the fastest win, the most chances for a random opponent to lose).
-        "move_best": [],
         # Per model reply: whether its think block read the board right (`think_text`).
         "think_correct": [],
         # Per model reply: whether it was exactly a think block and a move (`is_well_formatted`).
@@ -174,10 +168,8 @@ def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]
     if error is not None:
         state["invalid_moves"] += 1
         state["move_sound"].append(None)
-        state.setdefault("move_best", []).append(None)
         return None, error
     state["move_sound"].append(cell in sound_moves(board, state["model_mark"]))
-    state.setdefault("move_best", []).append(cell in oracle_best_moves(board, state["model_mark"]))
     play_move(board, state["moves"], cell, state["model_mark"], "model")
     state["winner"] = winner(board)
     return cell, None
@@ -337,17 +329,6 @@ class TicTacToeEnv(MultiTurnEnv):
             "invalid one replaced by the minimax opponent's move. 0: minimax in every game.",
             min=0.0,
             max=1.0,
-        ),
-        Param(
-            "move_credit",
-            str,
-            "sound",
-            "Which moves the per-move credit (`turn_rewards`, the sound mass's judgement) "
-            "counts as best: 'sound' every move that keeps the position's game-theoretic "
-            "value (1, any other 0); 'oracle' the oracle's own among them, the fastest win "
-            "and the most chances for a random opponent to go wrong (1, another sound move "
-            "0.5, an unsound one 0).",
-            choices=MOVE_CREDITS,
         ),
         Param(
             "invalid_move_penalty",
@@ -573,7 +554,6 @@ class TicTacToeEnv(MultiTurnEnv):
         invalid = rollout.state.get("invalid_moves", 0)
         turns = rollout.state.get("model_turns", 0)
         sound = rollout.state.get("move_sound", [])
-        best = rollout.state.get("move_best", [])
         thinks = rollout.state.get("think_correct", [])
         return {
             "invalid_moves": float(invalid),
@@ -581,8 +561,6 @@ class TicTacToeEnv(MultiTurnEnv):
             "format_rate": format_reward(completion=rollout.completion),
             # Share of the model's replies that were sound moves (an invalid one is not).
             "sound_move_rate": sum(s is True for s in sound) / len(sound) if sound else 0.0,
-            # Share of the model's replies that were one of the oracle's moves.
-            "best_move_rate": sum(b is True for b in best) / len(best) if best else 0.0,
             # Share of the model's replies whose think block stated the board's facts
             # exactly as the env's `reasoning` format does.
             "think_correct_rate": sum(thinks) / len(thinks) if thinks else 0.0,
@@ -593,8 +571,7 @@ class TicTacToeEnv(MultiTurnEnv):
 
     def turn_rewards(self, rollout: Rollout) -> list[float] | None:
         """For each reply: 1 if its move kept the game-theoretic value (`sound_moves`), 0
-        if it gave some away or was invalid (with `move_credit` 'oracle': 1 for one of the
-        oracle's moves, 0.5 for another sound one), plus `think_reward` if its think block read
+        if it gave some away or was invalid, plus `think_reward` if its think block read
         the board right; a reply that is not exactly a think block and a move earns 0
         whatever its move (so a drift into malformed replies meets the same per-move
         credit as a bad move, not just the format's small share of the game's reward).
@@ -611,14 +588,9 @@ class TicTacToeEnv(MultiTurnEnv):
         formed = rollout.state.get("well_formed")
         if not isinstance(formed, list) or len(formed) != len(sound):
             formed = [True] * len(sound)  # a rollout stored before the format record
-        credit = [1.0 if s is True else 0.0 for s in sound]
-        best = rollout.state.get("move_best")
-        oracle = self.config["move_credit"] == "oracle"
-        if oracle and isinstance(best, list) and len(best) == len(sound):
-            credit = [1.0 if b is True else c / 2 for b, c in zip(best, credit, strict=True)]
         return [
-            (c + (bonus if t else 0.0)) if f else 0.0
-            for c, t, f in zip(credit, thinks, formed, strict=True)
+            ((1.0 if s is True else 0.0) + (bonus if t else 0.0)) if f else 0.0
+            for s, t, f in zip(sound, thinks, formed, strict=True)
         ]
 
     def validation(self) -> list[Validation]:
@@ -645,8 +617,7 @@ class TicTacToeEnv(MultiTurnEnv):
         """For a legal move the solver judged: the reply up to its last `<move>` tag, the
         cell played, and the board's other empty cells, each judged 1.0 if it keeps the
         position's game-theoretic value (`sound_moves`) and 0.0 if not: the move part of
-        `turn_rewards` (the think bonus is the reply's either way); with `move_credit`
-        'oracle' the oracle's moves 1.0 and the other sound ones 0.5."""
+        `turn_rewards` (the think bonus is the reply's either way)."""
         sound = rollout.state.get("move_sound") or []
         key = rollout.turns[turn].state_key if turn < len(rollout.turns) else None
         if turn >= len(sound) or sound[turn] is None or not key:
@@ -656,15 +627,12 @@ class TicTacToeEnv(MultiTurnEnv):
         start = reply.rfind("<move>") + len("<move>")
         if cell is None or reply[start : start + 1] != str(cell):
             return None  # e.g. a padded tag ("<move> 4</move>"): no one-character move to swap
-        mark = rollout.state["model_mark"]
-        credit = dict.fromkeys(sound_moves(board, mark), 1.0)
-        if self.config["move_credit"] == "oracle":
-            credit = {c: 0.5 for c in credit} | dict.fromkeys(oracle_best_moves(board, mark), 1.0)
+        sound_cells = set(sound_moves(board, rollout.state["model_mark"]))
         return MoveOptions(
             prefix=reply[:start],
             played=str(cell),
             others=[str(c) for c in empty_cells(board) if c != cell],
-            judge=lambda option: credit.get(int(option), 0.0),
+            judge=lambda option: 1.0 if int(option) in sound_cells else 0.0,
         )
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
