@@ -174,6 +174,9 @@ def evaluate(
             "format": summary["functions"]["format"]["mean"],
             "sound_move_rate": summary["env_metrics"]["tictactoe/sound_move_rate"],
             "think_correct_rate": summary["env_metrics"]["tictactoe/think_correct_rate"],
+            # Replies a game that left a win on the spot, or the opponent's line unblocked.
+            "missed_wins": summary["env_metrics"]["tictactoe/missed_wins"],
+            "missed_blocks": summary["env_metrics"]["tictactoe/missed_blocks"],
             "seconds": round(time.monotonic() - started, 1),
         }
     return rows
@@ -513,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tictactoe/invalid_move_rate",
                 "tictactoe/sound_move_rate",
                 "tictactoe/think_correct_rate",
+                "tictactoe/missed_wins",
+                "tictactoe/missed_blocks",
                 "sound_mass/mean",
             ],
             out / "rl" / "metrics.jsonl",
@@ -616,7 +621,8 @@ def load_partial(args) -> dict:
 def format_table(results: dict, times: dict) -> str:
     header = (
         f"{'stage':<6} {'opponent':<8} {'games':>5} {'win':>7} {'draw':>7} {'loss':>7} "
-        f"{'unfin':>6} {'invalid':>8} {'format':>7} {'sound':>7} {'think':>7}"
+        f"{'unfin':>6} {'invalid':>8} {'format':>7} {'sound':>7} {'think':>7} "
+        f"{'missed win':>10} {'block':>6}"
     )
     lines = [header, "-" * len(header)]
     for stage, rows in results.items():
@@ -625,7 +631,8 @@ def format_table(results: dict, times: dict) -> str:
                 f"{stage:<6} {opponent:<8} {row['games']:>5} {row['win']:>7.1%} "
                 f"{row['draw']:>7.1%} {row['loss']:>7.1%} {row['unfinished']:>6.1%} "
                 f"{row['invalid_move_rate']:>8.2%} {row['format']:>7.1%} "
-                f"{row['sound_move_rate']:>7.1%} {row.get('think_correct_rate', 0):>7.1%}"
+                f"{row['sound_move_rate']:>7.1%} {row.get('think_correct_rate', 0):>7.1%} "
+                f"{row.get('missed_wins', 0):>10.3f} {row.get('missed_blocks', 0):>6.3f}"
             )
     lines.append("")
     lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))

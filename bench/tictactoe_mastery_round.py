@@ -43,6 +43,8 @@ CURVE_KEYS = (
     "tictactoe/sound_move_rate",
     "sound_mass/mean",
     "tictactoe/think_correct_rate",
+    "tictactoe/missed_wins",
+    "tictactoe/missed_blocks",
     "tictactoe/invalid_move_rate",
     "tictactoe/format_rate",
     "policy/entropy",

@@ -90,6 +90,10 @@ def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_pa
         and run["stages"]["rl"]["random"]["games"] == 8
     )
     assert run["curves"]["perf/step_seconds"]["last"] > 0
+    # The tactics the player missed, a game: in every row and along the training curve.
+    row = run["stages"]["sft"]["random"]
+    assert row["missed_wins"] >= 0 and row["missed_blocks"] >= 0
+    assert run["curves"]["tictactoe/missed_blocks"]["last"] >= 0
     assert record["best"] == "a" and record["run_flags"] == {"a": SELECT}
     # The RL stage is the best of the last two saves on the validation games; the last
     # step's save is kept beside it.

@@ -23,6 +23,7 @@ from rlcore.envs.tictactoe_game import (
     empty_cells,
     game_value,
     minimax_best_moves,
+    missed_tactic,
     parse_move,
     render_board,
     sound_moves,
@@ -395,6 +396,41 @@ def test_winning_cells_are_the_lines_one_move_from_done():
     assert winning_cells("XXOO.O...", "O") == [4, 8]
     with pytest.raises(ValueError, match="mark"):
         winning_cells("." * 9, "Z")
+
+
+def test_a_missed_tactic_is_a_win_left_on_the_spot_or_a_line_left_unblocked():
+    # X on 0 and 1 (wins at 2), O on 3 and 4 (wins at 5), X to move.
+    board = "XX.OO...."
+    assert missed_tactic(board, 2, "X") is None  # took the win
+    assert missed_tactic(board, 5, "X") == ("win", [2])  # blocked, but could have won
+    assert missed_tactic(board, 8, "X") == ("win", [2])
+    # O to move with no line of its own: it must block X at 2.
+    assert missed_tactic("XX..O....", 2, "O") is None
+    assert missed_tactic("XX..O....", 8, "O") == ("block", [2])
+    # A fork (X completes 0-1-2 at 2 and 0-3-6 at 6): blocking one is a block, neither a miss.
+    assert missed_tactic("XX.XO...O", 5, "O") == ("block", [2, 6])
+    assert missed_tactic("XX.XO...O", 6, "O") is None
+    assert missed_tactic("." * 9, 4, "X") is None  # nothing to do on an empty board
+
+
+async def test_the_missed_tactic_record_matches_a_replay_and_counts_in_the_metrics():
+    env = TicTacToeEnv(min_random_move_prob=0.0, max_random_move_prob=1.0)
+    rollouts = await play_all(env, RandomValidPolicy(), 60)
+    seen = Counter()
+    for rollout in rollouts:
+        board, replayed = ["."] * 9, []
+        for move in rollout.state["moves"]:
+            if move["player"] == "model":
+                missed = missed_tactic(board, move["cell"], move["mark"])
+                replayed.append(missed[0] if missed else None)
+            board[move["cell"]] = move["mark"]
+        assert rollout.state["move_missed"] == replayed
+        metrics = env.rollout_metrics(rollout)
+        assert metrics["missed_wins"] == replayed.count("win")
+        assert metrics["missed_blocks"] == replayed.count("block")
+        seen.update(replayed)
+    # A random player misses both kinds, and most of its moves have neither to do.
+    assert seen["win"] > 0 and seen["block"] > 0 and seen[None] > seen["win"] + seen["block"]
 
 
 def test_think_text_states_the_board_in_the_reasoning_format():

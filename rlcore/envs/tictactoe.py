@@ -50,6 +50,7 @@ from rlcore.envs.tictactoe_game import (
     check_mark,
     empty_cells,
     game_over,
+    missed_tactic,
     move_values,
     opponent_move,
     other_mark,
@@ -144,6 +145,9 @@ def game_state(
         # Per model reply: whether its move was sound (kept the game-theoretic value),
         # None for an invalid reply.
         "move_sound": [],
+        # Per model reply: "win" when it could have won on the spot and did not, "block"
+        # when it had to block the opponent's line and did not (`missed_tactic`), else None.
+        "move_missed": [],
         # Per model reply: whether its think block read the board right (`think_text`).
         "think_correct": [],
         # Per model reply: whether it was exactly a think block and a move (`is_well_formatted`).
@@ -168,8 +172,11 @@ def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]
     if error is not None:
         state["invalid_moves"] += 1
         state["move_sound"].append(None)
+        state.setdefault("move_missed", []).append(None)
         return None, error
     state["move_sound"].append(cell in sound_moves(board, state["model_mark"]))
+    missed = missed_tactic(board, cell, state["model_mark"])
+    state.setdefault("move_missed", []).append(missed[0] if missed else None)
     play_move(board, state["moves"], cell, state["model_mark"], "model")
     state["winner"] = winner(board)
     return cell, None
@@ -554,6 +561,7 @@ class TicTacToeEnv(MultiTurnEnv):
         invalid = rollout.state.get("invalid_moves", 0)
         turns = rollout.state.get("model_turns", 0)
         sound = rollout.state.get("move_sound", [])
+        missed = rollout.state.get("move_missed", [])
         thinks = rollout.state.get("think_correct", [])
         return {
             "invalid_moves": float(invalid),
@@ -561,6 +569,10 @@ class TicTacToeEnv(MultiTurnEnv):
             "format_rate": format_reward(completion=rollout.completion),
             # Share of the model's replies that were sound moves (an invalid one is not).
             "sound_move_rate": sum(s is True for s in sound) / len(sound) if sound else 0.0,
+            # Replies a game that left a win on the spot untaken, and that left the
+            # opponent's completed line unblocked (`missed_tactic`).
+            "missed_wins": float(missed.count("win")),
+            "missed_blocks": float(missed.count("block")),
             # Share of the model's replies whose think block stated the board's facts
             # exactly as the env's `reasoning` format does.
             "think_correct_rate": sum(thinks) / len(thinks) if thinks else 0.0,
@@ -710,18 +722,24 @@ VALUE_NAMES = {1: "a win", 0: "the draw", -1: "a loss"}
 
 def move_verdict(board: Sequence[str], cell: int, mark: str) -> dict | None:
     """Whether playing `mark` on `cell` keeps the game-theoretic value of `board` (the
-    solver's `move_values`), as {"sound", "text"}; None where the position is not a legal
-    one to judge (a stored state from elsewhere, say)."""
+    solver's `move_values`), as {"sound", "text"}, the text naming a win on the spot or a
+    block the move missed (`missed_tactic`); None where the position is not a legal one to
+    judge (a stored state from elsewhere, say)."""
     try:
         values = move_values(board, mark)
         before, after = max(values.values()), values[cell]
     except (ValueError, KeyError):
         return None
+    missed = missed_tactic(board, cell, mark)
+    why = f" (missed the {missed[0]} at {' or '.join(map(str, missed[1]))})" if missed else ""
     if after == before:
         if before < 0:
-            return {"sound": True, "text": "sound: already lost, no move saves it"}
-        return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}"}
-    return {"sound": False, "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[after]}"}
+            return {"sound": True, "text": f"sound: already lost, no move saves it{why}"}
+        return {"sound": True, "text": f"sound: keeps {VALUE_NAMES[before]}{why}"}
+    return {
+        "sound": False,
+        "text": f"unsound: {VALUE_NAMES[before]} became {VALUE_NAMES[after]}{why}",
+    }
 
 
 def _think_verdicts(state: dict) -> list[bool] | None:

@@ -297,6 +297,18 @@ def winning_cells(board: Sequence[str] | str, mark: str) -> list[int]:
     return sorted(cells)
 
 
+def missed_tactic(board: Sequence[str] | str, cell: int, mark: str) -> tuple[str, list[int]] | None:
+    """What `mark` playing `cell` on `board` left on the spot: ("win", cells) when it could
+    have completed a line at `cells` and played elsewhere, ("block", cells) when it could not
+    win at once, the opponent could at `cells`, and it blocked none of them; None for a move
+    that took the win, blocked, or had neither to do."""
+    own = winning_cells(board, mark)
+    if own:
+        return None if cell in own else ("win", own)
+    theirs = winning_cells(board, other_mark(mark))
+    return ("block", theirs) if theirs and cell not in theirs else None
+
+
 def think_text(board: Sequence[str] | str, mark: str, reasoning: str = "empty") -> str:
     """What the built-in players think before moving as `mark`, in `reasoning` format:
     'Empty: 0 4 8.' and, for 'threats', 'Win: 2. Block: none.' (the cells where `mark`

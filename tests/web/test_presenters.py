@@ -55,6 +55,19 @@ def test_each_model_move_carries_the_solvers_verdict():
     }
     (_, verdict) = [notes(view, "verdict") for view in state_views(TicTacToeEnv, lost)]
     assert verdict == [{"ok": False, "text": "unsound: the draw became a loss"}]
+    # A move that leaves the opponent's line open says which cell would have blocked it.
+    unblocked = {
+        "moves": [
+            {"player": "opponent", "mark": "X", "cell": 0},
+            {"player": "model", "mark": "O", "cell": 4},
+            {"player": "opponent", "mark": "X", "cell": 1},
+            {"player": "model", "mark": "O", "cell": 8},
+        ]
+    }
+    verdict = notes(state_views(TicTacToeEnv, unblocked)[3], "verdict")
+    assert verdict == [
+        {"ok": False, "text": "unsound: the draw became a loss (missed the block at 2)"}
+    ]
     # Opening moves are random, not the model's choice; an impossible state is not judged.
     opening = {"moves": [{"player": "model", "mark": "X", "cell": 4, "opening": True}]}
     assert state_views(TicTacToeEnv, opening)[0]["notes"] == []
