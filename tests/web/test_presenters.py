@@ -47,23 +47,11 @@ def test_each_model_move_carries_the_solvers_verdict():
         [],  # the opponent's moves are not judged
         [{"ok": True, "text": "sound: keeps the draw"}],
     ]
-    lost = {
-        "moves": [
-            {"player": "opponent", "mark": "X", "cell": 0},
-            {"player": "model", "mark": "O", "cell": 1},
-        ]
-    }
+    lost = opponent_first(0, 1)
     (_, verdict) = [notes(view, "verdict") for view in state_views(TicTacToeEnv, lost)]
     assert verdict == [{"ok": False, "text": "unsound: the draw became a loss"}]
     # A move that leaves the opponent's line open says which cell would have blocked it.
-    unblocked = {
-        "moves": [
-            {"player": "opponent", "mark": "X", "cell": 0},
-            {"player": "model", "mark": "O", "cell": 4},
-            {"player": "opponent", "mark": "X", "cell": 1},
-            {"player": "model", "mark": "O", "cell": 8},
-        ]
-    }
+    unblocked = opponent_first(0, 4, 1, 8)
     verdict = notes(state_views(TicTacToeEnv, unblocked)[3], "verdict")
     assert verdict == [
         {"ok": False, "text": "unsound: the draw became a loss (missed the block at 2)"}
@@ -72,14 +60,7 @@ def test_each_model_move_carries_the_solvers_verdict():
     opening = {"moves": [{"player": "model", "mark": "X", "cell": 4, "opening": True}]}
     assert state_views(TicTacToeEnv, opening)[0]["notes"] == []
     # In a lost position every move is sound, and the verdict says why.
-    lost_anyway = {
-        "moves": [
-            {"player": "opponent", "mark": "X", "cell": 0},
-            {"player": "model", "mark": "O", "cell": 1},
-            {"player": "opponent", "mark": "X", "cell": 4},
-            {"player": "model", "mark": "O", "cell": 8},
-        ]
-    }
+    lost_anyway = opponent_first(0, 1, 4, 8)
     assert notes(state_views(TicTacToeEnv, lost_anyway)[3], "verdict") == [
         {"ok": True, "text": "sound: already lost, no move saves it"}
     ]
@@ -129,3 +110,14 @@ async def test_each_model_move_says_whether_its_think_block_read_the_board_right
     # A state without the record (older runs) shows no think verdicts.
     del rollout.state["think_correct"]
     assert all(notes(v, "think-verdict") == [] for v in state_views(TicTacToeEnv, rollout.state))
+
+
+def opponent_first(*cells: int) -> dict:
+    """A tic-tac-toe state whose moves alternate the opponent's X and the model's O."""
+    players = [("opponent", "X"), ("model", "O")]
+    return {
+        "moves": [
+            {"player": players[i % 2][0], "mark": players[i % 2][1], "cell": cell}
+            for i, cell in enumerate(cells)
+        ]
+    }
