@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    """The host a CPU-side figure was measured on: its architecture and Python."""
+    return f"{platform.machine()}, {platform.python_version()}"
 
 
 def write_results(results: dict, out: str | None, default_name: str) -> dict:

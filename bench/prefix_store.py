@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
 import random
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import write_results  # noqa: E402
+from benchlib import machine, write_results  # noqa: E402
 
 from rlcore.policy import kv_cache  # noqa: E402
 
@@ -107,7 +106,7 @@ def main() -> int:
     write_results(
         {
             "benchmark": "prefix_store",
-            "machine": f"{platform.machine()}, {platform.python_version()}",
+            "machine": machine(),
             "games": args.games,
             "rows": rows,
             "hits": hits,

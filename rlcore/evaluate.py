@@ -154,16 +154,89 @@ def _rate(count: int, total: int) -> dict:
     }
 
 
-def _outcome_labels(env: Environment, rollouts: list[Rollout]) -> list[str]:
+def _outcome_labels(env: Environment, outcomes: list[str | None]) -> list[str]:
     """The env's declared labels first (always reported, even at zero), then any others seen."""
     declared = list(env.outcome_labels)
-    seen = sorted({r.outcome for r in rollouts if r.outcome is not None} - set(declared))
+    seen = sorted({o for o in outcomes if o is not None} - set(declared))
     return declared + seen
 
 
-def _outcome_rates(rollouts: list[Rollout], labels: list[str]) -> dict[str, dict]:
-    counts = Counter(r.outcome for r in rollouts)
-    return {label: _rate(counts[label], len(rollouts)) for label in labels}
+def _outcome_rates(outcomes: list[str | None], labels: list[str]) -> dict[str, dict]:
+    counts = Counter(outcomes)
+    return {label: _rate(counts[label], len(outcomes)) for label in labels}
+
+
+@dataclass
+class RolloutFigures:
+    """The numbers a rollout adds to its batch's statistics (`figures_summary`): a few
+    hundred bytes where the rollout is kilobytes, so a data-parallel rank sends rank 0 its
+    rollouts' figures and rank 0 reads the whole batch's metrics from them."""
+
+    reward: float
+    rewards: dict[str, float]
+    outcome: str | None
+    env_metrics: dict[str, float]  # the env's `rollout_metrics`, under "<env>/<name>"
+    truncated: bool
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None
+
+
+def rollout_figures(env: Environment, rollout: Rollout) -> RolloutFigures:
+    return RolloutFigures(
+        reward=rollout.reward,
+        rewards=dict(rollout.rewards),
+        outcome=rollout.outcome,
+        env_metrics={
+            f"{env.name}/{key}": float(value) for key, value in env.rollout_metrics(rollout).items()
+        },
+        truncated=rollout.truncated,
+        prompt_tokens=rollout.prompt_tokens,
+        completion_tokens=rollout.completion_tokens,
+        error=rollout.error,
+    )
+
+
+def figures_summary(env: Environment, figures: list[RolloutFigures]) -> dict:
+    """The part of `summarize` that rollouts' figures give: rewards, each reward function,
+    outcome rates, the env's metrics, truncation and tokens (what `summary_metrics` reads)."""
+    total = len(figures)
+    rewards = [f.reward for f in figures]
+    outcomes = [f.outcome for f in figures]
+    env_metric_values: dict[str, list[float]] = {}
+    for figure in figures:
+        for name, value in figure.env_metrics.items():
+            env_metric_values.setdefault(name, []).append(value)
+    prompt_tokens = sum(f.prompt_tokens for f in figures)
+    completion_tokens = sum(f.completion_tokens for f in figures)
+    return {
+        "env": env.name,
+        "num_rollouts": total,
+        "errors": sum(1 for f in figures if f.error),
+        "reward": {
+            "mean": _mean(rewards),
+            "std": _std(rewards),
+            "min": min(rewards) if rewards else 0.0,
+            "max": max(rewards) if rewards else 0.0,
+        },
+        "functions": {
+            name: {
+                "weight": weight,
+                "mean": _mean([f.rewards.get(name, 0.0) for f in figures]),
+                "std": _std([f.rewards.get(name, 0.0) for f in figures]),
+            }
+            for name, weight in env.rubric.weights.items()
+        },
+        "outcomes": _outcome_rates(outcomes, _outcome_labels(env, outcomes)),
+        "env_metrics": {name: _mean(values) for name, values in sorted(env_metric_values.items())},
+        "truncated_rate": _mean([float(f.truncated) for f in figures]),
+        "tokens": {
+            "prompt_total": prompt_tokens,
+            "completion_total": completion_tokens,
+            "prompt_per_rollout": prompt_tokens / total if total else 0.0,
+            "completion_per_rollout": completion_tokens / total if total else 0.0,
+        },
+    }
 
 
 def reward_histogram(rewards: list[float], bins: int = HISTOGRAM_BINS) -> dict:
@@ -186,9 +259,10 @@ def reward_histogram(rewards: list[float], bins: int = HISTOGRAM_BINS) -> dict:
 
 def summarize(env: Environment, rollouts: list[Rollout], seconds: float) -> dict:
     """JSON-able statistics of a set of rollouts of `env` that took `seconds` of wall time."""
+    summary = figures_summary(env, [rollout_figures(env, r) for r in rollouts])
+    labels = list(summary["outcomes"])
     total = len(rollouts)
     rewards = [r.reward for r in rollouts]
-    labels = _outcome_labels(env, rollouts)
 
     breakdowns: dict[str, dict[str, dict]] = {}
     split: dict[str, dict[str, list[Rollout]]] = {}
@@ -200,51 +274,17 @@ def summarize(env: Environment, rollouts: list[Rollout], seconds: float) -> dict
             value: {
                 "count": len(members),
                 "reward_mean": _mean([r.reward for r in members]),
-                "outcomes": _outcome_rates(members, labels),
+                "outcomes": _outcome_rates([r.outcome for r in members], labels),
             }
             for value, members in sorted(by_value.items())
         }
-
-    env_metric_values: dict[str, list[float]] = {}
-    for rollout in rollouts:
-        for key, value in env.rollout_metrics(rollout).items():
-            env_metric_values.setdefault(f"{env.name}/{key}", []).append(float(value))
-
-    prompt_tokens = sum(r.prompt_tokens for r in rollouts)
-    completion_tokens = sum(r.completion_tokens for r in rollouts)
-    return {
-        "env": env.name,
-        "num_rollouts": total,
-        "errors": sum(1 for r in rollouts if r.error),
-        "reward": {
-            "mean": _mean(rewards),
-            "std": _std(rewards),
-            "min": min(rewards) if rewards else 0.0,
-            "max": max(rewards) if rewards else 0.0,
-        },
-        "functions": {
-            name: {
-                "weight": weight,
-                "mean": _mean([r.rewards.get(name, 0.0) for r in rollouts]),
-                "std": _std([r.rewards.get(name, 0.0) for r in rollouts]),
-            }
-            for name, weight in env.rubric.weights.items()
-        },
-        "outcomes": _outcome_rates(rollouts, labels),
+    return summary | {
         "breakdowns": breakdowns,
-        "env_metrics": {name: _mean(values) for name, values in sorted(env_metric_values.items())},
-        "truncated_rate": _mean([float(r.truncated) for r in rollouts]),
         "turns_per_rollout": _mean([float(r.num_turns) for r in rollouts]),
         "timing": {
             "seconds": seconds,
             "rollouts_per_s": total / seconds if seconds > 0 else 0.0,
             "mean_rollout_seconds": _mean([r.seconds for r in rollouts]),
-        },
-        "tokens": {
-            "prompt_total": prompt_tokens,
-            "completion_total": completion_tokens,
-            "prompt_per_rollout": prompt_tokens / total if total else 0.0,
-            "completion_per_rollout": completion_tokens / total if total else 0.0,
         },
         "histogram": reward_histogram(rewards),
     }

@@ -12,14 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.envs.registry import load_environment
-from rlcore.evaluate import summarize
+from rlcore.evaluate import figures_summary, rollout_figures, summarize, summary_metrics
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.rollout import run_rollouts
 from rlcore.train.common import TRAINER_STATE, autocast, model_path
 from rlcore.train.config import ConfigError, LossConfig, RLConfig, SFTConfig, build_config
-from rlcore.train.grpo import for_log, run_rl, step_advantages
-from rlcore.train.sampling import StratifiedSampler
+from rlcore.train.grpo import add_sums, advantage_metrics, for_log, run_rl, step_advantages
+from rlcore.train.sampling import StratifiedSampler, rollout_sample, sample_places
 from rlcore.train.sequences import build_sequences, think_length, training_sequences
 from rlcore.train.sft import run_sft
 from rlcore.types import Rollout, SamplingParams, Turn
@@ -370,52 +370,99 @@ def test_tree_advantages_run_on_tictactoe_with_positions_named_by_the_board(tiny
     assert metrics["optim/grad_norm"] == 0.0
 
 
-def test_a_rank_sends_rank_0_its_rollouts_without_the_token_ids_and_the_log_reads_the_same(
+def test_a_rank_sends_rank_0_figures_sums_and_its_part_of_the_sample_and_the_log_reads_the_same(
     tmp_path,
 ):
     # Real games of the shipped player at temperature 1 (wins, draws, losses and some
-    # invalid moves), one group an opening: what rank 0 logs from the slim copies must be
-    # what it would log from the rollouts themselves.
+    # invalid moves), 12 examples of 4: what rank 0 logs from what 1, 2 or 5 ranks send it
+    # must be what one process logs from the whole batch.
     torch.manual_seed(0)
     env = load_environment("tictactoe", opening_moves=2, num_groups=2)
     engine = LocalEngine(str(model_path("tiny-master")), device="cpu")
-    rollouts = asyncio.run(
+    examples = env.examples(12, seed=3)
+    group = 4
+    cfg = rl_config(
+        "tiny-master",
+        tmp_path,
+        env="tictactoe",
+        env_args={},
+        rollouts_per_example=group,
+        advantage="tree",
+        turn_reward_weight=1.0,
+    )
+
+    whole = asyncio.run(
         run_rollouts(
             env,
             engine,
-            env.examples(8, seed=3),
+            examples,
             sampling=SamplingParams(max_tokens=24, temperature=1.0),
-            rollouts_per_example=4,
+            rollouts_per_example=group,
         )
     )
-    slim = [for_log(r) for r in rollouts]
-    assert len({r.reward for r in rollouts}) > 1  # the advantages below are not all zero
-    for full, sent in zip(rollouts, slim, strict=True):
+    assert len({r.reward for r in whole}) > 1  # the advantages below are not all zero
+    _, whole_sums = step_advantages(env, whole, cfg)
+    whole_metrics = advantage_metrics(whole_sums)
+    assert whole_metrics["advantage/abs_mean"] > 0
+    verdicts = [[sum(env.turn_rewards(r)), len(r.turns)] for r in whole]
+    totals = torch.tensor(verdicts, dtype=torch.float64).sum(dim=0)
+
+    def over_ranks(_mine):  # what Ranks.sum gives every rank: the whole batch's sums
+        return totals.clone()
+
+    by_rollout = dict(zip(map(id, whole), step_advantages(env, whole, cfg)[0], strict=True))
+    for world in (1, 2, 5):
+        # Each rank's share: the groups of its examples (every world-th, as dealt).
+        shares = [
+            [
+                r
+                for e in range(rank, len(examples), world)
+                for r in whole[e * group : (e + 1) * group]
+            ]
+            for rank in range(world)
+        ]
+        together = [r for share in shares for r in share]
+        # The log's sample: each rank's rollouts at places below the count, put in order.
+        for count in (0, 7, 12, 30, 48, 100):
+            sent = []
+            for rank, share in enumerate(shares):
+                places = sample_places(rank, world, len(examples), group)
+                sent += [(p, for_log(r)) for p, r in zip(places, share, strict=True) if p < count]
+            logged = [r for _, r in sorted(sent, key=lambda pair: pair[0])]
+            expected = rollout_sample(together, group, count)
+            assert [r.to_dict() for r in logged] == [r.to_dict() for r in expected]
+        # The figures and the advantage sums, added over the ranks, read as the whole's.
+        figures = [rollout_figures(env, r) for r in together]
+        summary = figures_summary(env, figures)
+        assert summary_metrics(summary) == pytest.approx(
+            summary_metrics(summarize(env, whole, 1.0))
+        )
+        # Each rank's advantages, with the per-move rewards' batch mean added up over the
+        # ranks, are the whole batch's, and so are their sums added over the ranks.
+        shared = [step_advantages(env, share, cfg, over_ranks) for share in shares]
+        for share, (turns, _) in zip(shares, shared, strict=True):
+            expected = [a for r in share for a in by_rollout[id(r)]]
+            assert [a for row in turns for a in row] == pytest.approx(expected)
+        sums = add_sums([part for _, part in shared])
+        assert sums == pytest.approx(whole_sums)
+        assert advantage_metrics(sums) == pytest.approx(whole_metrics)
+        if world > 1:  # each share's own batch mean would credit the moves otherwise
+            alone = add_sums([step_advantages(env, share, cfg)[1] for share in shares])
+            assert alone["abs_advantage"] != pytest.approx(whole_sums["abs_advantage"])
+    # What goes over the wire for a sampled rollout shrinks by the ids.
+    slim = [for_log(r) for r in whole]
+    for full, sent in zip(whole, slim, strict=True):
         assert sent.to_dict() == full.to_dict()
         assert [t.state_key for t in sent.turns] == [t.state_key for t in full.turns]
         assert all(t.prompt_ids == [] and t.completion_ids == [] for t in sent.turns)
         assert all(t.completion_ids for t in full.turns)  # the original is untouched
-    for advantage in ("group", "tree"):
-        cfg = rl_config(
-            "tiny-master",
-            tmp_path,
-            env="tictactoe",
-            env_args={},
-            rollouts_per_example=4,
-            advantage=advantage,
-            turn_reward_weight=1.0,
-        )
-        full_turns, full_metrics = step_advantages(env, rollouts, cfg)
-        slim_turns, slim_metrics = step_advantages(env, slim, cfg)
-        assert slim_turns == full_turns and slim_metrics == full_metrics
-        assert full_metrics["advantage/abs_mean"] > 0
-    assert summarize(env, slim, 1.0) == summarize(env, rollouts, 1.0)
-    # What goes over the wire shrinks by the ids (each pickles to at least two bytes).
-    ids = sum(len(t.prompt_ids) + len(t.completion_ids) for r in rollouts for t in r.turns)
-    assert len(pickle.dumps(rollouts)) - len(pickle.dumps(slim)) >= 2 * ids
+    ids = sum(len(t.prompt_ids) + len(t.completion_ids) for r in whole for t in r.turns)
+    assert len(pickle.dumps(whole)) - len(pickle.dumps(slim)) >= 2 * ids
+    # A rollout's figures pickle smaller than even its slim copy.
+    assert len(pickle.dumps(figures)) < 0.75 * len(pickle.dumps(slim))
     # Without the env's name for a position, tree advantages key on the prompt: kept.
-    nameless = for_log(replace(rollouts[0], turns=[replace(rollouts[0].turns[0], state_key=None)]))
-    assert nameless.turns[0].prompt_ids == rollouts[0].turns[0].prompt_ids
+    nameless = for_log(replace(whole[0], turns=[replace(whole[0].turns[0], state_key=None)]))
+    assert nameless.turns[0].prompt_ids == whole[0].turns[0].prompt_ids
 
 
 def test_a_stop_request_saves_a_checkpoint_at_the_last_finished_step(tiny_model, tmp_path):

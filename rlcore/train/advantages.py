@@ -79,7 +79,10 @@ def tree_advantages(rollouts: list[Rollout], group_size: int) -> list[list[float
 
 
 def turn_reward_advantages(
-    rollouts: list[Rollout], turn_rewards: list[list[float]], group_size: int
+    rollouts: list[Rollout],
+    turn_rewards: list[list[float]],
+    group_size: int,
+    batch_mean: float | None = None,
 ) -> list[list[float]]:
     """Per-turn advantages from the env's per-turn rewards (Environment.turn_rewards).
 
@@ -89,7 +92,9 @@ def turn_reward_advantages(
     the mean over every turn of the batch. Where moves differed this compares a move with
     the others tried in its position, as `tree_advantages` does; where they did not, the
     reward still judges the move itself: a policy that always makes the same bad move in
-    a position is pushed off it, where a per-position baseline would give it 0.
+    a position is pushed off it, where a per-position baseline would give it 0. A
+    data-parallel rank passes `batch_mean`, the whole batch's over every rank, where the
+    rollouts are its share.
     """
     if len(rollouts) % group_size:
         raise ValueError(f"{len(rollouts)} rollouts do not split into groups of {group_size}")
@@ -99,8 +104,9 @@ def turn_reward_advantages(
                 f"rollout {index} (example {rollout.example_id}) has {len(rollout.turns)} "
                 f"turns but {len(rewards)} per-turn rewards"
             )
-    every = [reward for rewards in turn_rewards for reward in rewards]
-    batch_mean = sum(every) / len(every) if every else 0.0
+    if batch_mean is None:
+        every = [reward for rewards in turn_rewards for reward in rewards]
+        batch_mean = sum(every) / len(every) if every else 0.0
     advantages: list[list[float]] = []
     for start in range(0, len(rollouts), group_size):
         group = list(

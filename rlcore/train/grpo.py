@@ -19,9 +19,10 @@ One step, as `run_rl` does it from top to bottom:
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
 In a data-parallel run (`processes`, rlcore/train/distributed.py) every rank does steps 1-5
-on its share of the batch's examples, with the loss normalized over the whole batch and the
-gradients and metric sums added up over the ranks, so all take the same optimizer step;
-rank 0 gathers every rank's rollouts for step 6 and alone saves.
+on its share of the batch's examples, with the per-move rewards' batch mean, the loss's
+normalizer, the gradients and metric sums added up over the ranks, so all take the step one
+process would; for step 6 rank 0 gathers every rank's rollout figures, advantage sums and
+its part of the logged sample (not the rollouts themselves), and alone saves.
 
 A stop request (the sink's `should_stop`) is heard inside a step, not only between steps:
 the engine abandons a generation between tokens, rollouts end before their next turn, and
@@ -44,7 +45,7 @@ import torch
 
 from rlcore.envs.base import Environment
 from rlcore.envs.registry import load_environment
-from rlcore.evaluate import summarize, summary_metrics
+from rlcore.evaluate import figures_summary, rollout_figures, summary_metrics
 from rlcore.events import EventSink, NullSink
 from rlcore.policy.vllm_engine import rollout_engine, sync_weights
 from rlcore.rollout import fewer_collections, run_rollouts
@@ -79,7 +80,7 @@ from rlcore.train.distributed import (
     generation_model,
     placement_devices,
 )
-from rlcore.train.sampling import StratifiedSampler, rollout_sample
+from rlcore.train.sampling import StratifiedSampler, rollout_sample, sample_places
 from rlcore.train.select import choose_save
 from rlcore.train.sequences import (
     TrainingSequence,
@@ -105,16 +106,24 @@ RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "de
 # Advantages and the loss
 
 
-def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces):
-    """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the advantage
-    metrics). 3: advantages from the rubric's rewards (and the env's per-move verdicts).
+def alone(sums: torch.Tensor) -> torch.Tensor:
+    """Sums over the ranks of a run on one process: the sums themselves."""
+    return sums
+
+
+def step_sequences(
+    env: Environment, rollouts: list[Rollout], cfg: RLConfig, tokenizer, pieces, total=alone
+):
+    """Steps 3 and 4 of a step: (training sequences, the loss normalizer, the sums of the
+    advantage metrics). 3: advantages from the rubric's rewards (and the env's per-move
+    verdicts; `total` as `step_advantages` takes it).
     4: training sequences, the sampled token ids, each token weighed in the loss, and with
     `sound_mass_weight` every judged move's best options (sound_mass.py). With the
     collector's first threshold raised, as for the rollouts: a large step's millions of
     token ids in lists made it collect over and over (bench/rl_host_overhead.py)."""
     aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     with fewer_collections:
-        turn_advantages, advantage_metrics = step_advantages(env, rollouts, cfg)
+        turn_advantages, advantage_sums = step_advantages(env, rollouts, cfg, total)
         sequences = []
         judged, single = 0, {}
         for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
@@ -128,9 +137,9 @@ def step_sequences(env: Environment, rollouts: list[Rollout], cfg: RLConfig, tok
                 judged += attach_move_sets(env, rollout, built, tokenizer, pieces, single)
             sequences += built
         if cfg.sound_mass_weight > 0:
-            advantage_metrics["sound_mass/moves"] = float(judged)
+            advantage_sums["sound_mass_moves"] = judged
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
-    return sequences, normalizer, advantage_metrics
+    return sequences, normalizer, advantage_sums
 
 
 def for_log(rollout: Rollout) -> Rollout:
@@ -150,9 +159,17 @@ def for_log(rollout: Rollout) -> Rollout:
     return replace(rollout, turns=turns)
 
 
-def step_advantages(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
-    """Per-turn advantages of a batch, and the metrics they add: the episode advantage
-    (`cfg.advantage`) plus `cfg.turn_reward_weight` times the env's per-move verdicts."""
+def step_advantages(
+    env: Environment,
+    rollouts: list[Rollout],
+    cfg: RLConfig,
+    total: Callable[[torch.Tensor], torch.Tensor] = alone,
+):
+    """Per-turn advantages of a batch (the episode advantage, `cfg.advantage`, plus
+    `cfg.turn_reward_weight` times the env's per-move verdicts), and the sums their metrics
+    are made of (`advantage_metrics`). In a data-parallel run `rollouts` is the rank's share
+    and `total` adds a tensor up over the ranks (`Ranks.sum`): the per-move rewards' batch
+    mean is the whole batch's, so every rank credits its moves as one process would."""
     group = cfg.rollouts_per_example
     if cfg.advantage == "tree":
         turns = tree_advantages(rollouts, group)
@@ -162,7 +179,7 @@ def step_advantages(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         per_rollout = group_advantages(rewards, group, cfg.scale_rewards).tolist()
         turns = [[a] * len(r.turns) for r, a in zip(rollouts, per_rollout, strict=True)]
-    metrics = {}
+    sums = {}
     if cfg.turn_reward_weight > 0:
         verdicts = [env.turn_rewards(r) for r in rollouts]
         if any(v is None for v in verdicts):
@@ -170,18 +187,51 @@ def step_advantages(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
                 f"turn_reward_weight={cfg.turn_reward_weight} but env {env.name!r} gave no "
                 "per-turn rewards for some rollouts; set turn_reward_weight = 0 for this env"
             )
-        extra = turn_reward_advantages(rollouts, verdicts, group)
-        turns = add_turn_advantages(turns, extra, cfg.turn_reward_weight)
         flat_verdicts = [v for row in verdicts for v in row]
-        metrics["reward/turn_mean"] = sum(flat_verdicts) / max(len(flat_verdicts), 1)
-    flat = torch.tensor([a for row in turns for a in row] or [0.0])
+        summed, judged = total(
+            torch.tensor([sum(flat_verdicts), len(flat_verdicts)], dtype=torch.float64)
+        ).tolist()
+        mean = summed / judged if judged else 0.0
+        extra = turn_reward_advantages(rollouts, verdicts, group, batch_mean=mean)
+        turns = add_turn_advantages(turns, extra, cfg.turn_reward_weight)
+        sums |= {"turn_rewards": float(sum(flat_verdicts)), "judged_turns": len(flat_verdicts)}
+    flat = [a for row in turns for a in row]
     rewards = torch.tensor([r.reward for r in rollouts]).view(-1, group)
-    metrics |= {
-        "advantage/zero_group_rate": float((rewards.std(dim=1) == 0).float().mean()),
-        "advantage/abs_mean": float(flat.abs().mean()),
-        "advantage/zero_turn_rate": float((flat == 0).float().mean()),
+    sums |= {
+        "groups": rewards.shape[0],
+        "zero_groups": int((rewards.std(dim=1) == 0).sum()),
+        "turns": len(flat),
+        "zero_turns": sum(1 for a in flat if a == 0),
+        "abs_advantage": float(sum(abs(a) for a in flat)),
     }
-    return turns, metrics
+    return turns, sums
+
+
+def add_sums(parts: list[dict]) -> dict:
+    """Dicts of sums added key by key (a key missing from a part counts 0 there)."""
+    total: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def advantage_metrics(sums: dict) -> dict[str, float]:
+    """The advantage metrics of a batch from `step_advantages`' sums, or from the sums of
+    every data-parallel rank's share added key by key: the batch's whole, each group and
+    each turn weighed once (groups never straddle ranks, so the sums are exact)."""
+    metrics = {}
+    if "judged_turns" in sums:
+        metrics["reward/turn_mean"] = sums["turn_rewards"] / max(sums["judged_turns"], 1)
+    turns = sums["turns"]
+    metrics |= {
+        "advantage/zero_group_rate": sums["zero_groups"] / max(sums["groups"], 1),
+        "advantage/abs_mean": sums["abs_advantage"] / turns if turns else 0.0,
+        "advantage/zero_turn_rate": sums["zero_turns"] / turns if turns else 1.0,
+    }
+    if "sound_mass_moves" in sums:
+        metrics["sound_mass/moves"] = float(sums["sound_mass_moves"])
+    return metrics
 
 
 def loss_normalizer(sequences: list[TrainingSequence], loss: LossConfig, max_tokens: int) -> float:
@@ -611,7 +661,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
 
             # 1-2. A stratified batch of examples, each rolled out as a group (in a
             #      data-parallel run, each rank its share of the examples).
-            examples = ranks.deal(sampler.next_batch())
+            batch = sampler.next_batch()
+            examples = ranks.deal(batch)
             rollouts = loop.run_until_complete(
                 run_rollouts(
                     env,
@@ -630,8 +681,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             train_started = time.monotonic()
 
             # 3-4. Advantages, and the training sequences they weigh.
-            sequences, normalizer, advantage_metrics = step_sequences(
-                env, rollouts, cfg, tokenizer, pieces
+            sequences, normalizer, advantage_sums = step_sequences(
+                env, rollouts, cfg, tokenizer, pieces, ranks.sum
             )
             scored = time.monotonic()
 
@@ -648,32 +699,36 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                 return stop(step, stopped.where, start)
             updated = time.monotonic()
             tokens = sum(len(s.input_ids) for s in sequences)
-            if ranks.parallel:  # rank 0 logs the whole batch: every rank's rollouts
-                shares = ranks.gather(
-                    (
-                        [for_log(r) for r in rollouts],
-                        tokens,
-                        advantage_metrics.get("sound_mass/moves"),
-                    )
-                )
+            figures = [rollout_figures(env, r) for r in rollouts]
+            group = cfg.rollouts_per_example
+            if ranks.parallel:
+                # Rank 0 logs the whole batch from what every rank sends it: its rollouts'
+                # figures, its advantage sums, and the rollouts of its share that the log's
+                # sample takes (`rollout_sample` over the ranks' shares in rank order).
+                places = sample_places(ranks.rank, ranks.world_size, len(batch), group)
+                sampled = [
+                    (place, for_log(r))
+                    for place, r in zip(places, rollouts, strict=True)
+                    if place < cfg.log_rollouts
+                ]
+                shares = ranks.gather((figures, sampled, tokens, advantage_sums))
                 if not ranks.is_main:
                     continue
-                rollouts = [r for share, _, _ in shares for r in share]
-                tokens = sum(count for _, count, _ in shares)
-                # The advantage metrics again over the whole batch (a few ms at 256 games):
-                # exact where an average of the ranks' own would weigh turns and groups wrong.
-                _, advantage_metrics = step_advantages(env, rollouts, cfg)
-                if cfg.sound_mass_weight > 0:
-                    advantage_metrics["sound_mass/moves"] = sum(moves for _, _, moves in shares)
+                figures = [f for share in shares for f in share[0]]
+                logged = [r for _, r in sorted(p for share in shares for p in share[1])]
+                tokens = sum(share[2] for share in shares)
+                advantage_sums = add_sums([share[3] for share in shares])
+            else:
+                logged = rollout_sample(rollouts, group, cfg.log_rollouts)
             step_seconds = time.monotonic() - step_started
 
             # 6. Log: rollout statistics under the eval names, then the optimization's.
-            metrics = summary_metrics(summarize(env, rollouts, rollout_seconds))
-            outcome_labels.update(r.outcome for r in rollouts if r.outcome is not None)
+            metrics = summary_metrics(figures_summary(env, figures))
+            outcome_labels.update(f.outcome for f in figures if f.outcome is not None)
             metrics |= {
                 f"outcome/{label}": metrics.get(f"outcome/{label}", 0.0) for label in outcome_labels
             }
-            metrics |= trained | advantage_metrics
+            metrics |= trained | advantage_metrics(advantage_sums)
             metrics |= {
                 # Tokens through the trainer (prompts included) per second of the step.
                 "perf/tokens_per_s": tokens / step_seconds,
@@ -693,10 +748,8 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             sink.metric(step, metrics)
             milestones.step(step, metrics, step_seconds)
             if cfg.log_rollouts:
-                sink.rollouts(
-                    step, rollout_sample(rollouts, cfg.rollouts_per_example, cfg.log_rollouts)
-                )
-            if errors := [r.error for r in rollouts if r.error]:
+                sink.rollouts(step, logged)
+            if errors := [f.error for f in figures if f.error]:
                 sink.log(
                     f"rl: {len(errors)} rollouts failed at step {step}: {errors[0]}", "warning"
                 )

@@ -93,6 +93,16 @@ class StratifiedSampler:
         ]
 
 
+def sample_places(rank: int, world_size: int, num_examples: int, group_size: int) -> list[int]:
+    """Where each rollout of a data-parallel rank's share (its examples every world_size-th
+    of the batch's `num_examples`, dealt as `Ranks.deal` does, each rolled out `group_size`
+    times in a row) stands in `rollout_sample`'s order over every rank's rollouts put
+    together rank by rank: the rank's rollouts at places below `count` are the sample's."""
+    offset = sum(len(range(r, num_examples, world_size)) for r in range(rank))
+    mine = len(range(rank, num_examples, world_size))
+    return [m * num_examples + offset + e for e in range(mine) for m in range(group_size)]
+
+
 def rollout_sample(rollouts: list[Rollout], group_size: int, count: int) -> list[Rollout]:
     """`count` rollouts for the sink: the first of every example, then the second...,
     so the sample spreads over examples and so over the stratified groups."""
