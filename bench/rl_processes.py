@@ -2,7 +2,7 @@
 1, 2, 4 ... data-parallel processes (`RLConfig.processes`) on one device, in one run.
 
     python bench/rl_processes.py [--device auto] [--games 64,256,1024] [--processes 1,2,4]
-        [--steps 8] [--warmup 2] [--recipe recipes/tictactoe_tiny/rl_gpu.toml]
+        [--actors 2,4] [--steps 8] [--warmup 2] [--recipe recipes/tictactoe_tiny/rl_gpu.toml]
         [--model tiny-master] [--out PATH] [--profile 4,8]
 
 Each row is a real `run_rl` (`run_rl_ranks`, as `python -m rlcore rl ... processes=P` runs
@@ -16,8 +16,11 @@ split over CPU cores; several processes share one GPU. Figures are medians of ra
 `perf/step_seconds`, `perf/rollout_seconds`, `perf/train_seconds` and the train part's pieces
 (scoring, the wait for the ranks, the update, rank 0's gathering) over the steps after
 `--warmup` (CUDA graph capture, allocator warm-up); `period` is the median time between two
-steps' metrics, logging included. `vs 1 proc` compares a row with one
-process at the same games; `vs 64` with the same processes at the fewest games.
+steps' metrics, logging included. `vs 1 proc` compares a row with the first processes
+count's at the same games; `vs 64` with the same processes at the fewest games.
+`--actors A` adds rows of one learner fed by A rollout actors (`RLConfig.actors`): there the
+rollout and scoring are an actor's, `wait` the learner's wait for a batch, and `lag` the median
+number of updates between the weights that played a batch and the ones it trained.
 Writes bench/results/rl_processes_<device>.json.
 """
 
@@ -59,12 +62,13 @@ class TimedSink(RecordingSink):
         super().metric(step, values)
 
 
-def run_row(args, games: int, processes: int) -> dict:
+def run_row(args, games: int, processes: int, actors: int = 0) -> dict:
     """One run of `--steps` + `--warmup` steps: medians of the timed steps."""
     with tempfile.TemporaryDirectory() as output_dir:
         overrides = [
             f"model={args.model}", f"batch_size={games}", f"concurrency={games}",
-            f"processes={processes}", f"device={args.device}", f"output_dir={output_dir}",
+            f"processes={processes}", f"actors={actors}", f"device={args.device}",
+            f"output_dir={output_dir}",
             f"max_steps={args.warmup + args.steps}", "save_every=0", "select.keep=1",
             "log_rollouts=0",
         ]  # fmt: skip
@@ -74,13 +78,14 @@ def run_row(args, games: int, processes: int) -> dict:
         with profiled_update(processes in args.profile, args.warmup + 1, tables):
             run_rl_ranks(cfg, sink)
     timed = [metrics for step, metrics in sink.metrics if step > args.warmup]
-    row = {"games": games, "processes": processes, "steps": len(timed)}
+    row = {"games": games, "processes": processes, "actors": actors, "steps": len(timed)}
     for part in PARTS:  # wait and gather only in a data-parallel run
         row[f"{part}_seconds"] = statistics.median(
             m.get(f"perf/{part}_seconds", 0.0) for m in timed
         )
     periods = [b - a for a, b in itertools.pairwise(sink.arrivals[max(args.warmup - 1, 0) :])]
     row["period_seconds"] = statistics.median(periods) if periods else float("nan")
+    row["lag"] = statistics.median(m.get("async/lag", 0.0) for m in timed)
     row["games_per_second"] = games / row["step_seconds"]
     if tables:
         row["update_profile"] = tables
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--games", default="64,256,1024", help="games a step, comma-separated")
     parser.add_argument("--processes", default="1,2,4", help="processes, comma-separated")
+    parser.add_argument("--actors", default="", help="actor counts, comma-separated")
     parser.add_argument("--steps", type=int, default=8, help="timed steps a row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--recipe", default="recipes/tictactoe_tiny/rl_gpu.toml")
@@ -145,32 +151,39 @@ def main(argv: list[str] | None = None) -> dict:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = [int(g) for g in args.games.split(",")]
     counts = [int(p) for p in args.processes.split(",")]
+    setups = [(p, 0) for p in counts] + [(1, int(a)) for a in args.actors.split(",") if a]
     args.profile = {int(p) for p in args.profile.split(",") if p}
     rows = []
     for games in sizes:
-        for processes in counts:
-            row = run_row(args, games, processes)
+        for processes, actors in setups:
+            row = run_row(args, games, processes, actors)
             rows.append(row)
-            print(f"  {games} games, {processes} processes: {row['step_seconds']:.3f} s/step")
-    alone = {r["games"]: r["step_seconds"] for r in rows if r["processes"] == counts[0]}
-    fewest = {r["processes"]: r["step_seconds"] for r in rows if r["games"] == sizes[0]}
+            print(
+                f"  {games} games, {processes} processes, {actors} actors: "
+                f"{row['step_seconds']:.3f} s/step"
+            )
+    first = {r["games"]: r["step_seconds"] for r in rows if (r["processes"], r["actors"]) == setups[0]}  # fmt: skip
+    fewest = {
+        (r["processes"], r["actors"]): r["step_seconds"] for r in rows if r["games"] == sizes[0]
+    }
     for row in rows:
-        row["vs_one_process"] = alone[row["games"]] / row["step_seconds"]
-        row["vs_fewest_games"] = row["step_seconds"] / fewest[row["processes"]]
+        row["vs_one_process"] = first[row["games"]] / row["step_seconds"]
+        row["vs_fewest_games"] = row["step_seconds"] / fewest[row["processes"], row["actors"]]
     name = card(args.device)
     print(f"\ntic-tac-toe RL step by processes, {args.model}, {args.recipe}, {args.device}")
     header = (
-        f"{'card':<22} {'games':>5} {'procs':>5} {'rollout s':>9} {'train s':>7} "
+        f"{'card':<22} {'games':>5} {'procs':>5} {'actors':>6} {'rollout s':>9} {'train s':>7} "
         f"{'scoring':>7} {'wait':>6} {'update':>6} {'gather':>6} "
-        f"{'step s':>7} {'period':>6} {'vs 1 proc':>9} {'vs 64':>6} {'games/s':>8}"
+        f"{'step s':>7} {'period':>6} {'lag':>4} {'vs 1 proc':>9} {'vs 64':>6} {'games/s':>8}"
     )
     print(header)
     for r in rows:
         print(
-            f"{name[:22]:<22} {r['games']:>5} {r['processes']:>5} {r['rollout_seconds']:>9.3f} "
+            f"{name[:22]:<22} {r['games']:>5} {r['processes']:>5} {r['actors']:>6} "
+            f"{r['rollout_seconds']:>9.3f} "
             f"{r['train_seconds']:>7.3f} {r['scoring_seconds']:>7.3f} {r['wait_seconds']:>6.3f} "
             f"{r['update_seconds']:>6.3f} {r['gather_seconds']:>6.3f} {r['step_seconds']:>7.3f} "
-            f"{r['period_seconds']:>6.3f} "
+            f"{r['period_seconds']:>6.3f} {r['lag']:>4.1f} "
             f"{r['vs_one_process']:>8.2f}x {r['vs_fewest_games']:>5.2f}x "
             f"{r['games_per_second']:>8.1f}"
         )

@@ -369,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="data-parallel RL processes, each rolling out and training its share of a step",
     )
+    parser.add_argument(
+        "--rl-actors",
+        type=int,
+        default=0,
+        help="rollout actor processes feeding the RL learner batches played by recent weights",
+    )
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument(
         "--base-games",
@@ -504,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         device=args.device,
         processes=args.rl_processes,
+        actors=args.rl_actors,
     )
     rl_dir = run_rl_ranks(
         rl_config,

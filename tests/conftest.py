@@ -12,7 +12,7 @@ from rlcore.policy.tiny import ensure_tiny_model
 
 # Loaded once for the whole session: session fixtures (the Celery worker above all) must
 # exist once, not once per folder that uses them.
-pytest_plugins = ["tests.lab_fixtures"]
+pytest_plugins = ["tests.lab_fixtures", "tests.rl_fixtures"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,7 +4,6 @@ trainer's weights."""
 
 import asyncio
 import json
-import random
 import sys
 import time
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlcore.envs.registry import load_environment
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.train.common import load_model_and_tokenizer
@@ -31,10 +29,8 @@ from rlcore.train.distributed import (
 )
 from rlcore.train.grpo import build_learner, learn, loss_normalizer
 from rlcore.train.sequences import TrainingSequence
-from rlcore.train.sft import run_sft
 from rlcore.types import SamplingParams
-
-REVERSE_AB = {"mode": "random", "min_chars": 2, "max_chars": 3, "alphabet": "ab"}
+from tests.rl_fixtures import StopAfterFirstStep, rl_config
 
 
 def final_weights(path) -> dict[str, torch.Tensor]:
@@ -100,24 +96,6 @@ def test_two_ranks_take_the_same_sft_step_as_one_process(tiny_model, sft_data, t
     assert "Traceback" not in (tmp_path / "two" / "ranks" / "rank_1.log").read_text()
 
 
-def rl_config(model: str, tmp_path, name: str, **changes) -> RLConfig:
-    settings = dict(
-        model=model,
-        env="reverse_text",
-        env_args=dict(REVERSE_AB),
-        output_dir=str(tmp_path / name),
-        device="cpu",
-        batch_size=16,
-        rollouts_per_example=4,
-        micro_batch_size=3,
-        max_tokens=8,
-        lr=1e-2,
-        max_steps=1,
-        log_rollouts=0,
-    )
-    return build_config(RLConfig, [("test", settings | changes)])
-
-
 def fixed_batch(vocabulary: int) -> list[TrainingSequence]:
     """Ten sequences of different lengths, their last tokens trained with advantage +-1."""
     generator = torch.Generator().manual_seed(0)
@@ -165,32 +143,6 @@ def test_two_ranks_take_the_same_rl_update_as_one_process(tiny_model, tmp_path):
     assert_same_metrics(alone, together, names)
     assert alone["optim/grad_norm"] > 0 and alone["loss/kl"] > 0
     assert_same_weights(alone_weights, together_weights)
-
-
-@pytest.fixture(scope="module")
-def formatted_model(tiny_model, tmp_path_factory) -> str:
-    """The tiny model after a short SFT on reverse-text replies of random letters in their
-    tags: its rollouts get different rewards, so RL steps move the weights."""
-    work = tmp_path_factory.mktemp("formatted")
-    env = load_environment("reverse_text", **REVERSE_AB)
-    rng = random.Random(0)
-    with (work / "data.jsonl").open("w") as out:
-        for example in env.examples(32, seed=5):
-            letters = "".join(rng.choice("ab") for _ in range(rng.randint(1, 3)))
-            reply = {"role": "assistant", "content": f"<reversed>{letters}</reversed>"}
-            out.write(json.dumps({"messages": [*example.prompt, reply]}) + "\n")
-    settings = dict(
-        model=tiny_model,
-        dataset=str(work / "data.jsonl"),
-        output_dir=str(work / "sft"),
-        device="cpu",
-        max_steps=20,
-        batch_size=16,
-        micro_batch_size=16,
-        lr=3e-3,
-        lr_schedule="constant",
-    )
-    return run_sft(build_config(SFTConfig, [("test", settings)]))
 
 
 def test_a_split_run_trains_like_a_colocated_one(formatted_model, tmp_path):
@@ -354,12 +306,6 @@ def test_a_rank_that_cannot_start_fails_the_run_at_once(tiny_model, tmp_path, mo
             log_dir=tmp_path / "ranks",
         )
     assert time.monotonic() - started < 30  # not the collective timeout (30 minutes)
-
-
-class StopAfterFirstStep(RecordingSink):
-    def metric(self, step: int, values: dict[str, float]) -> None:
-        super().metric(step, values)
-        self.stop_requested = True
 
 
 def test_a_stop_request_ends_every_data_parallel_rank_after_the_step(formatted_model, tmp_path):

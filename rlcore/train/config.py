@@ -75,6 +75,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "max_seq_len": (1, 1_048_576),
     "save_every": (0, 10_000_000),
     "processes": (1, 64),
+    "actors": (0, 64),
     "turn_reward_weight": (0.0, 1000.0),
     "sound_mass_weight": (0.0, 1000.0),
     "clip_eps_low": (0.0, 1.0),
@@ -333,6 +334,12 @@ class RLConfig:
     batch. On a GPU worker a step's host work (the games, the prompts, the engine's
     bookkeeping) then runs on that many CPU cores; more processes than GPUs share them
     (process r on GPU r mod the count). A job on several GPUs runs at least one a GPU"""
+    actors: int = 0
+    """rollout actors: processes that play, score and build each step's batch with the
+    newest weights the trainer published, while the trainer updates on the batches they
+    finished before; a batch is then some steps behind the weights it trains (about this
+    many at most; the loss's ratio is against the weights that played it). 0: every step
+    rolls out and then trains, in order (rlcore/train/actors.py)"""
     max_steps: int = 100
     """optimizer steps (one batch of rollouts each)"""
     batch_size: int = 32
@@ -401,6 +408,11 @@ class RLConfig:
             errors["processes"] = (
                 f"{self.processes} processes each sample from their own trainer's model; "
                 f"placement {self.placement!r} runs in one process (set placement = 'colocated')"
+            )
+        elif self.actors and (self.processes > 1 or self.placement != "colocated"):
+            errors["actors"] = (
+                f"{self.actors} actors feed one trainer on one device: set processes = 1 and "
+                f"placement = 'colocated' (got {self.processes} and {self.placement!r})"
             )
         elif self.batch_size // max(self.rollouts_per_example, 1) < self.processes:
             errors["processes"] = (

@@ -31,6 +31,10 @@ DDP's arithmetic without its wrapper: DDP averages at every backward and needs e
 to run the same number of them, where ours accumulate over however many micro-batches
 their share holds (possibly none). Metric sums are added up over the ranks the same way.
 
+Rollout actors (`RLConfig.actors`, rlcore/train/actors.py) are launched the same way, as
+ranks 1..N without a process group (backend "none"): they meet the learner on a board in
+shared memory, and the learner calls `check_followers` while it waits for their batches.
+
 Stop requests: the ranks must run the same collectives, so in a data-parallel run a stop is
 heard before a step (rank 0's answer is broadcast) or during rank 0's rollouts (RL: a step
 whose rollouts some rank did not finish is dropped on every rank, `Ranks.every`), never
@@ -365,7 +369,8 @@ def launch(
     """Run `main()` here as rank 0 of `processes` ranks and `follower` ("module:function",
     called with the JSON `payload`) in child processes as ranks 1..n-1; returns what
     `main` returned. Each child's output goes to `log_dir`/rank_N.log; a child that fails
-    makes the run fail with the end of its log."""
+    makes the run fail with the end of its log. Backend "none" forms no process group:
+    `main` learns of a failed child by calling `check_followers`."""
     if processes < 2:
         return main()
     if backend == "nccl" and torch.cuda.device_count() < processes:
@@ -405,9 +410,12 @@ def launch(
         if failed := _failed_children(children, wait_s=0):
             raise RankFailed(f"data-parallel run: {failed}")
 
+    global _check_followers
     finished = False
     try:
-        init_ranks(0, processes, backend, address, timeout_s, check_followers)
+        if backend != "none":
+            init_ranks(0, processes, backend, address, timeout_s, check_followers)
+        _check_followers = check_followers
         result = main()
         finished = True
     except RankFailed:
@@ -417,6 +425,7 @@ def launch(
             raise RankFailed(f"data-parallel run failed on rank 0 ({exc}); {failed}") from exc
         raise
     finally:
+        _check_followers = _no_followers
         # Rank 0 hosts the rendezvous store and keeps it until the followers have exited:
         # a follower still tearing down its group when the store goes away aborts
         # ("terminate called without an active exception"). On gloo a finished run lets
@@ -454,6 +463,19 @@ def launch(
     return result
 
 
+def _no_followers() -> None:
+    return None
+
+
+_check_followers: Callable[[], None] = _no_followers
+
+
+def check_followers() -> None:
+    """Raise RankFailed for a follower of the running `launch` that exited with an error
+    (nothing outside one)."""
+    _check_followers()
+
+
 def _failed_children(children, wait_s: float) -> str:
     """What the children that exited with an error said at the end of their logs."""
     reports = []
@@ -473,8 +495,9 @@ def _failed_children(children, wait_s: float) -> str:
 def data_parallel_processes(gpus: int, cfg) -> int:
     """How many data-parallel processes a job asking for `gpus` GPUs runs: one a GPU, or
     its config's `processes` where that asks for more, unless its RL run splits generation
-    and training over two GPUs in one process."""
-    if getattr(cfg, "placement", "colocated") != "colocated":
+    and training over two GPUs in one process or feeds one trainer from rollout actors
+    (spread over the GPUs)."""
+    if getattr(cfg, "placement", "colocated") != "colocated" or getattr(cfg, "actors", 0):
         return 1
     return max(gpus, getattr(cfg, "processes", 1), 1)
 
@@ -496,7 +519,8 @@ def run_sft_ranks(cfg, sink=None, *, processes: int = 1) -> str:
 def run_rl_ranks(
     cfg, sink=None, *, processes: int | None = None, engine: str = "local"
 ) -> str | None:
-    """`run_rl` data-parallel over `processes` ranks (default: the config's `processes`)."""
+    """`run_rl` data-parallel over `processes` ranks (default: the config's `processes`),
+    or with the config's rollout actors (rlcore/train/actors.py) beside it."""
     from rlcore.train.grpo import run_rl
 
     processes = cfg.processes if processes is None else processes
@@ -504,6 +528,30 @@ def run_rl_ranks(
         raise ValueError(
             f"placement={cfg.placement!r} runs in one process over two devices; a "
             f"data-parallel run ({processes} processes) takes placement='colocated'"
+        )
+    if cfg.actors:
+        from rlcore.train.actors import discard_board, new_board_path
+
+        if processes > 1:
+            raise ValueError(
+                f"actors={cfg.actors} runs one learner; a data-parallel run ({processes} "
+                "processes, e.g. one a GPU) takes actors = 0"
+            )
+        board = new_board_path()
+
+        def learner() -> str:
+            try:
+                return run_rl(cfg, sink, engine=engine, board=board)
+            finally:
+                discard_board(board)  # also where the learner failed before setting it up
+
+        return launch(
+            learner,
+            "rlcore.train.actors:run_actor",
+            {"settings": cfg.to_dict(), "engine": engine, "board": board},
+            processes=1 + cfg.actors,
+            backend="none",
+            log_dir=Path(cfg.output_dir) / "ranks",
         )
     return launch(
         lambda: run_rl(cfg, sink, engine=engine),
@@ -540,6 +588,9 @@ def _follower_main(argv: list[str]) -> None:
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     backend = os.environ["RLCORE_DIST_BACKEND"]
+    if backend == "none":  # no process group (rollout actors)
+        getattr(__import__(module, fromlist=[function]), function)(payload)
+        return
     init_ranks(rank, world_size, backend, address, TIMEOUT_S)
     try:
         getattr(__import__(module, fromlist=[function]), function)(payload)

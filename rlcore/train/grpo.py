@@ -18,6 +18,10 @@ One step, as `run_rl` does it from top to bottom:
    (grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
+With rollout actors (`actors`, rlcore/train/actors.py) steps 1-4 run in actor processes,
+each with weights a few steps old, while this process (the learner) does steps 5-6 on their
+batches as they come, the engine's sampled logprobs taken as the old policy's.
+
 In a data-parallel run (`processes`, rlcore/train/distributed.py) every rank does steps 1-5
 on its share of the batch's examples, with the per-move rewards' batch mean, the loss's
 normalizer, the gradients and metric sums added up over the ranks, so all take the step one
@@ -49,6 +53,7 @@ from rlcore.evaluate import figures_summary, rollout_figures, summary_metrics
 from rlcore.events import EventSink, NullSink
 from rlcore.policy.vllm_engine import rollout_engine, sync_weights
 from rlcore.rollout import fewer_collections, run_rollouts
+from rlcore.train.actors import Board
 from rlcore.train.advantages import (
     add_turn_advantages,
     group_advantages,
@@ -75,6 +80,7 @@ from rlcore.train.common import (
 )
 from rlcore.train.config import LossConfig, RLConfig, save_config
 from rlcore.train.distributed import (
+    check_followers,
     copy_weights,
     current_ranks,
     generation_model,
@@ -99,7 +105,7 @@ from rlcore.types import Rollout, SamplingParams, Turn
 # Config fields a resumed run may change without changing what it computes.
 # Data-parallel rank r seeds its sampling with seed + r x this (rank 0: the run's seed).
 RANK_SEED_STRIDE = 1_000_003
-RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement", "processes", "select.keep", "select.num_examples", "select.seed"}  # fmt: skip
+RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement", "processes", "actors", "select.keep", "select.num_examples", "select.seed"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -427,6 +433,8 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
 def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict:
     """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
     of `policy_loss` over length-sorted micro-batches; returns the step's loss metrics.
+    The old policy is the current one (one update: ratio exactly 1) or the no-grad pass's;
+    with rollout actors it is the one that played the batch (its sampled logprobs).
     StepStopped between the first update's micro-batches when a stop is requested (the
     partial gradient is left for the caller to drop, never stepped on). Once the first
     update is taken the step's weights are neither the old nor the new ones, so the rest of
@@ -460,6 +468,8 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
                 sums.add(sampling_stats(chunk, old, entropy, weights))
             else:
                 old = padded([s.old_logprobs for s in chunk], width, device)
+            if cfg.actors:  # played by older weights: the ratio is against those
+                old = target_rows([s.sampled_logprobs for s in chunk], width, device)
             ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
             loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
             if best is not None:  # -log P(best moves), summed and normalized as the loss is
@@ -537,14 +547,24 @@ def build_learner(cfg: RLConfig, device: torch.device, should_stop: Callable[[],
     return learner, tokenizer, state
 
 
-def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local") -> str:
+def run_rl(
+    cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local", board: str = ""
+) -> str:
     """Train `cfg.model` with RL on `cfg.env`; returns the final checkpoint directory, or
     on a stop request the checkpoint saved then.
     `engine`: what samples the rollouts, "local" (the batching engine on the trainer's own
     model) or "vllm" (vLLM in this process, the trainer's weights loaded into it after every
-    update; the local engine, with a warning in the log, where vLLM cannot run)."""
+    update; the local engine, with a warning in the log, where vLLM cannot run).
+    `board`: with `cfg.actors`, where this learner sets up the board its actors wait for
+    (`distributed.run_rl_ranks` starts them)."""
     sink = sink or NullSink()
     cfg.validate()
+    if cfg.actors and not board:
+        raise ValueError(
+            f"actors={cfg.actors}: the actors are started by rlcore.train.distributed."
+            "run_rl_ranks (the CLI, the worker and the benchmarks run it); run_rl alone "
+            "runs without them (set actors = 0)"
+        )
     ranks = current_ranks()  # one rank unless launched data-parallel
     device, generation_device = placement_devices(
         cfg.placement, ranks.device(resolve_device(cfg.device))
@@ -576,15 +596,17 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
     model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
     generator = generation_model(model, cfg.placement, generation_device)
     sampler = StratifiedSampler(env, cfg.seed, cfg.batch_size // cfg.rollouts_per_example)
-    rollouts_engine, _ = rollout_engine(
-        engine,
-        model=generator,
-        tokenizer=tokenizer,
-        path=model_path(cfg.resume_from or cfg.model),
-        should_stop=sink.should_stop,
-        warn=lambda message: sink.log(f"rl: {message}", "warning"),
-        gpu_sharers=ranks.sharing(generation_device),
-    )
+    rollouts_engine = None  # with actors, they generate
+    if not cfg.actors:
+        rollouts_engine, _ = rollout_engine(
+            engine,
+            model=generator,
+            tokenizer=tokenizer,
+            path=model_path(cfg.resume_from or cfg.model),
+            should_stop=sink.should_stop,
+            warn=lambda message: sink.log(f"rl: {message}", "warning"),
+            gpu_sharers=ranks.sharing(generation_device),
+        )
     sampling = SamplingParams(
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
@@ -600,6 +622,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
         if not ranks.is_main:  # rank 0's saved streams, then this rank's own
             seed_everything(cfg.seed + RANK_SEED_STRIDE * ranks.rank + start_step)
         sink.log(f"rl: resumed from {cfg.resume_from} at step {start_step}")
+    actors = Board.create(board, cfg.actors, model, start_step) if cfg.actors else None
     sink.log(
         f"rl: {cfg.loss.type} on {env.name}, {sampler.examples_per_step} examples x "
         f"{cfg.rollouts_per_example} rollouts per step, steps {start_step + 1}..{cfg.max_steps}, "
@@ -614,6 +637,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             if ranks.parallel
             else ""
         )
+        + (f", {cfg.actors} actor processes rolling out" if cfg.actors else "")
     )
 
     def checkpoint(step: int, path: Path, start: tuple[dict, dict] | None = None) -> str:
@@ -659,32 +683,42 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             step_started = time.monotonic()
             start = (sampler.state_dict(), random_states())  # saved instead if it is dropped
 
-            # 1-2. A stratified batch of examples, each rolled out as a group (in a
-            #      data-parallel run, each rank its share of the examples).
-            batch = sampler.next_batch()
-            examples = ranks.deal(batch)
-            rollouts = loop.run_until_complete(
-                run_rollouts(
-                    env,
-                    rollouts_engine,
-                    examples,
-                    sampling=sampling,
-                    rollouts_per_example=cfg.rollouts_per_example,
-                    concurrency=cfg.sampling.concurrency,
-                    should_stop=sink.should_stop,
+            if actors:
+                # 1-4. The next batch an actor finished: rolled out, scored and turned
+                #      into training sequences by weights `taken.version` steps old.
+                taken = actors.take(step, sink.should_stop, check_followers)
+                if taken is None:
+                    return stop(step, "waiting for the actors' next batch", start)
+                sequences, normalizer = taken.sequences, taken.normalizer
+                advantage_sums, rollout_seconds = taken.advantage_sums, taken.rollout_seconds
+                train_started = scored = time.monotonic()
+            else:
+                # 1-2. A stratified batch of examples, each rolled out as a group (in a
+                #      data-parallel run, each rank its share of the examples).
+                batch = sampler.next_batch()
+                examples = ranks.deal(batch)
+                rollouts = loop.run_until_complete(
+                    run_rollouts(
+                        env,
+                        rollouts_engine,
+                        examples,
+                        sampling=sampling,
+                        rollouts_per_example=cfg.rollouts_per_example,
+                        concurrency=cfg.sampling.concurrency,
+                        should_stop=sink.should_stop,
+                    )
                 )
-            )
-            wanted = len(examples) * cfg.rollouts_per_example
-            if not ranks.every(len(rollouts) == wanted):
-                return stop(step, f"rollouts: {len(rollouts)} of {wanted} finished", start)
-            rollout_seconds = time.monotonic() - step_started
-            train_started = time.monotonic()
+                wanted = len(examples) * cfg.rollouts_per_example
+                if not ranks.every(len(rollouts) == wanted):
+                    return stop(step, f"rollouts: {len(rollouts)} of {wanted} finished", start)
+                rollout_seconds = time.monotonic() - step_started
+                train_started = time.monotonic()
 
-            # 3-4. Advantages, and the training sequences they weigh.
-            sequences, normalizer, advantage_sums = step_sequences(
-                env, rollouts, cfg, tokenizer, pieces, ranks.sum
-            )
-            scored = time.monotonic()
+                # 3-4. Advantages, and the training sequences they weigh.
+                sequences, normalizer, advantage_sums = step_sequences(
+                    env, rollouts, cfg, tokenizer, pieces, ranks.sum
+                )
+                scored = time.monotonic()
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
             #    then the updates, the loss over the whole batch's normalizer; a stop
@@ -693,14 +727,20 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                 normalizer = float(ranks.sum(torch.tensor(normalizer, dtype=torch.float64)))
                 update_started = time.monotonic()  # the sum waits for the ranks' scoring
                 trained = learn(learner, sequences, normalizer, cfg)
-                copy_weights(model, generator)  # split placement: the engine's copy
-                sync_weights(rollouts_engine, model)  # vLLM samples the updated weights
+                if actors:
+                    actors.publish(model, step)  # for the actors' next batches
+                else:
+                    copy_weights(model, generator)  # split placement: the engine's copy
+                    sync_weights(rollouts_engine, model)  # vLLM samples the updated weights
             except StepStopped as stopped:
                 return stop(step, stopped.where, start)
             updated = time.monotonic()
-            tokens = sum(len(s.input_ids) for s in sequences)
-            figures = [rollout_figures(env, r) for r in rollouts]
             group = cfg.rollouts_per_example
+            if actors:
+                figures, logged, tokens = taken.figures, taken.logged, taken.tokens
+            else:
+                tokens = sum(len(s.input_ids) for s in sequences)
+                figures = [rollout_figures(env, r) for r in rollouts]
             if ranks.parallel:
                 # Rank 0 logs the whole batch from what every rank sends it: its rollouts'
                 # figures, its advantage sums, and the rollouts of its share that the log's
@@ -718,7 +758,7 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
                 logged = [r for _, r in sorted(p for share in shares for p in share[1])]
                 tokens = sum(share[2] for share in shares)
                 advantage_sums = add_sums([share[3] for share in shares])
-            else:
+            elif not actors:
                 logged = rollout_sample(rollouts, group, cfg.log_rollouts)
             step_seconds = time.monotonic() - step_started
 
@@ -745,6 +785,12 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             if ranks.parallel:
                 metrics["perf/wait_seconds"] = update_started - scored
                 metrics["perf/gather_seconds"] = step_started + step_seconds - updated
+            if actors:
+                # The actor's rollouts and scoring, the learner's wait for the batch, and how
+                # many updates the weights that played it were behind this step's.
+                metrics["perf/scoring_seconds"] = taken.scoring_seconds
+                metrics["perf/wait_seconds"] = train_started - step_started
+                metrics["async/lag"] = float(step - 1 - taken.version)
             sink.metric(step, metrics)
             milestones.step(step, metrics, step_seconds)
             if cfg.log_rollouts:
@@ -757,7 +803,10 @@ def run_rl(cfg: RLConfig, sink: EventSink | None = None, *, engine: str = "local
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
                 checkpoint(step, checkpoint_dir(output_dir, step))
     finally:
-        loop.run_until_complete(rollouts_engine.aclose())
+        if actors:
+            actors.close(board)
+        if rollouts_engine is not None:
+            loop.run_until_complete(rollouts_engine.aclose())
         loop.close()
 
     path = checkpoint(cfg.max_steps, output_dir / "final")
