@@ -181,12 +181,17 @@ class Board:
         return self.path / f"batch_{actor}_{number:09d}.pkl"
 
     def put(self, actor: int, number: int, batch: ActorBatch) -> None:
-        """An actor's `number`th batch, visible to the learner only once written whole."""
+        """An actor's `number`th batch, visible to the learner only once written whole;
+        dropped when the run ended meanwhile (the learner removed the board)."""
         final = self._batch_file(actor, number)
         partial = final.with_suffix(".part")
-        with open(partial, "wb") as handle:
-            pickle.dump(batch, handle, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(partial, final)
+        try:
+            with open(partial, "wb") as handle:
+                pickle.dump(batch, handle, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(partial, final)
+        except FileNotFoundError:
+            if not self.stopped:
+                raise
 
     def take(
         self, first: int, should_stop: Callable[[], bool], check: Callable[[], None]
