@@ -193,3 +193,27 @@ def test_actors_name_what_they_need(formatted_model, tmp_path):
         run_rl(rl_config(formatted_model, tmp_path, "a", actors=1))
     # A job on two GPUs feeds one learner from its actors, spread over the GPUs.
     assert data_parallel_processes(2, rl_config(formatted_model, tmp_path, "a", actors=3)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.worker
+def test_an_rl_job_with_actors_runs_on_the_worker(alice, ttt_config, tiny, celery_worker):
+    """The web lab's path: a job whose config asks for a rollout actor, on the real Celery
+    worker, trains its steps with the actor's batches, stores every step's metrics (the
+    lag among them) and sampled rollouts, and leaves no board behind."""
+    from tests.lab_fixtures import create_job_with_listener, wait_for_job
+    from webapp.jobs.models import LogLine, Metric, Rollout
+
+    before = boards()
+    job, listener = create_job_with_listener(
+        owner=alice, kind="rl", env_config=ttt_config, model=tiny,
+        options={"max_steps": 2, "device": "cpu", "actors": 1, "batch_size": 16,
+                 "max_tokens": 24, "log_rollouts": 4},
+    )  # fmt: skip
+    job = wait_for_job(job)
+    assert job.status == "succeeded", job.error
+    lags = Metric.objects.filter(job=job, name="async/lag").order_by("step")
+    assert [m.step for m in lags] == [1, 2] and all(0 <= m.value <= 1 for m in lags)
+    assert Rollout.objects.filter(job=job).count() == 8
+    assert LogLine.objects.filter(job=job, message__contains="1 actor processes").exists()
+    assert boards() == before

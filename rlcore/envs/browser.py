@@ -45,7 +45,13 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.envs.base import Fact, MultiTurnEnv, Param, example_seed
-from rlcore.envs.browser_session import ActionError, BrowserThread, Session, browser_thread
+from rlcore.envs.browser_session import (
+    OFF_SITE,
+    ActionError,
+    BrowserThread,
+    Session,
+    browser_thread,
+)
 from rlcore.envs.browser_site import COLORS, FEATURED, KINDS, SHIPPING, TOPICS, Site, catalog
 from rlcore.envs.browser_site import site_server as _site_server
 from rlcore.parsers import XMLParser, tag_contents
@@ -295,6 +301,9 @@ def _step(browser, episode: Episode, action: Action) -> tuple[str, str | None]:
     except ActionError as exc:
         error = str(exc)
     episode.observation = session.observe()
+    if session.strayed:  # the action's navigation left the site after it returned
+        session.strayed = False
+        error = error or OFF_SITE
     if error is None:
         _shoot(episode)
     return episode.observation, error

@@ -29,6 +29,10 @@ from typing import Any
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 VIEWPORT = {"width": 800, "height": 600}
 ACTION_TIMEOUT_MS = 5_000
+# Reads of a page that a late navigation keeps destroying before the step gives up.
+READ_ATTEMPTS = 3
+# The error of an action that would leave the shop's site.
+OFF_SITE = "that leads off the site; the browser may only visit the shop"
 MAX_NAME_CHARS = 120
 MAX_OBSERVATION_CHARS = 6_000
 SCREENSHOT_QUALITY = 60
@@ -152,6 +156,8 @@ class Session:
         self.screenshot_dir = screenshot_dir
         self.blocked: list[str] = []
         self.roles: dict[int, str] = {}
+        # Set when reading the page found it had left the site after an action returned.
+        self.strayed = False
         self.context = browser.new_context(viewport=VIEWPORT, service_workers="block")
         self.context.route("**/*", self._route)
         self.page = self.context.new_page()
@@ -167,7 +173,23 @@ class Session:
             route.abort("blockedbyclient")
 
     def observe(self) -> str:
-        snapshot = self.page.evaluate(WALK_DOM)
+        """The page as the model reads it. A navigation that began after the action returned
+        (a refused off-site request commits its error page late) destroys the page under the
+        read: it is waited for and the page read again; if it left the site it is undone
+        and `strayed` set, for the step to report as the action's error."""
+        from playwright.sync_api import Error as PlaywrightError
+
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                snapshot = self.page.evaluate(WALK_DOM)
+                break
+            except PlaywrightError as exc:
+                if "context was destroyed" not in str(exc) or attempt == READ_ATTEMPTS - 1:
+                    raise
+                self.page.wait_for_load_state()
+                if not self.page.url.startswith(self.origin + "/"):
+                    self.page.go_back()
+                    self.strayed = True
         self.roles = {
             item["id"]: item["role"] for item in snapshot.get("items", []) if "id" in item
         }
@@ -223,7 +245,7 @@ class Session:
             return False
         # A link off the site: its request was aborted; stay on the shop.
         self.page.go_back()
-        raise ActionError("that leads off the site; the browser may only visit the shop")
+        raise ActionError(OFF_SITE)
 
     def close(self) -> None:
         self.context.close()

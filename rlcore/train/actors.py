@@ -166,6 +166,11 @@ class Board:
     def stopped(self) -> bool:
         return bool(self.header[STOP])
 
+    @property
+    def over(self) -> bool:
+        """Stopped, or the board removed (the learner's run ended without a stop)."""
+        return self.stopped or not self.path.is_dir()
+
     def stop(self) -> None:
         self.header[STOP] = 1
 
@@ -190,7 +195,7 @@ class Board:
                 pickle.dump(batch, handle, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(partial, final)
         except FileNotFoundError:
-            if not self.stopped:
+            if not self.over:
                 raise
 
     def take(
@@ -220,13 +225,14 @@ class Board:
     def close(self, link: str) -> None:
         """The learner's end: stop every actor and remove the board."""
         self.stop()
-        shutil.rmtree(self.path, ignore_errors=True)
         discard_board(link)
 
 
 def discard_board(link: str) -> None:
-    """Remove a board's link and its directory (an actor still waiting for the board then
-    leaves); nothing when they are gone already."""
+    """Remove a board, its link and the link's directory; an actor that finds them gone
+    leaves (`Board.over`, `Board.attach`). Nothing for what is gone already."""
+    if os.path.islink(link):
+        shutil.rmtree(os.path.realpath(link), ignore_errors=True)
     shutil.rmtree(Path(link).parent, ignore_errors=True)
 
 
@@ -289,7 +295,7 @@ def run_actor(payload: dict) -> None:
     env.output_dir = cfg.output_dir
 
     def should_stop() -> bool:
-        return board.stopped or not alive()
+        return board.over or not alive()
 
     sharers = cfg.actors + 1 if device.type == "cuda" else 1
     engine, _ = rollout_engine(
