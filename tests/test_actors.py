@@ -217,3 +217,39 @@ def test_an_rl_job_with_actors_runs_on_the_worker(alice, ttt_config, tiny, celer
     assert Rollout.objects.filter(job=job).count() == 8
     assert LogLine.objects.filter(job=job, message__contains="1 actor processes").exists()
     assert boards() == before
+
+
+def test_an_actor_reads_again_a_slot_rewritten_during_its_copy(formatted_model):
+    from rlcore.train.actors import WRITING
+
+    learner, _ = load_model_and_tokenizer(formatted_model, torch.device("cpu"))
+    actor, _ = load_model_and_tokenizer(formatted_model, torch.device("cpu"))
+    link = new_board_path()
+    board = Board.create(link, 1, learner)
+    try:
+        seen = Board.attach(link, 1, actor, alive=lambda: True)
+        board.publish(learner, 1)
+        # While the actor copies version 1 (slot 1) the learner publishes version 2 (slot 0)
+        # and begins version 3 in slot 1: the copy is torn, so the actor must read again and
+        # take version 2, whole.
+        first = next(actor.parameters())
+        original, calls = first.copy_, []
+
+        def copy_then_rewrite(source, *args, **kwargs):
+            result = original(source, *args, **kwargs)
+            calls.append(1)
+            if len(calls) == 1:
+                with torch.no_grad():
+                    for param in learner.parameters():
+                        param.add_(1.0)
+                board.publish(learner, 2)
+                board.header[WRITING] = 3
+                board.slots[1].fill_(float("nan"))  # half-written version 3
+            return result
+
+        first.copy_ = copy_then_rewrite
+        assert seen.load(actor, 0) == 2
+        for mine, theirs in zip(actor.parameters(), learner.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+    finally:
+        board.close(link)

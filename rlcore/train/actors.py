@@ -17,10 +17,11 @@ logprobs as the old policy's, so the importance ratio measures the gap and the c
 (`policy/clip_fraction`; `policy/logprob_mismatch` reads how far the policy moved).
 
 The board (`Board`) is a directory in shared memory: the header (the published weights'
-version, the stop flag, and per actor the batches the learner took and its pid), two slots of
-flat weights (the learner writes one while actors read the other; an actor that finds two new
-versions published during its copy reads again), and each actor's finished batch as a pickle.
-A stop request, the end of the run or a failure on the learner sets the stop flag; an actor
+version, the version being written, the stop flag, and per actor the batches the learner took
+and its pid), two slots of flat weights (version v in slot v mod 2: the learner writes one
+while actors read the other; an actor whose slot was begun again during its copy, two
+versions on, reads again), and each actor's finished batch as a pickle. A stop request, the
+end of the run or a failure on the learner sets the stop flag and removes the board; an actor
 that dies fails the run with the end of its log (`distributed.check_followers`); actors leave
 when the learner's process is gone.
 
@@ -46,8 +47,8 @@ from rlcore.evaluate import RolloutFigures, rollout_figures
 from rlcore.types import Rollout
 
 # The header's first fields (the published weights' version, the stop flag, the step the run
-# started from), then per actor (index 1..N): batches taken, pid.
-VERSION, STOP, START, FIRST_ACTOR = 0, 1, 2, 3
+# started from, the version being written), then per actor (index 1..N): batches taken, pid.
+VERSION, STOP, START, WRITING, FIRST_ACTOR = 0, 1, 2, 3, 4
 # How often a waiting side looks at the board again, and checks on the other side.
 POLL_S = 0.0005
 CHECK_EVERY_S = 0.2
@@ -134,6 +135,7 @@ class Board:
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """The learner's weights after `version` steps, for the actors' next batches."""
+        self.header[WRITING] = version  # before the slot: a reader of it then knows
         slot, offset = self.slots[version % 2], 0
         for param in _parameters(model):
             slot[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
@@ -145,7 +147,7 @@ class Board:
         """An actor's model set to the newest published weights, in place (the engine's CUDA
         graphs read the parameters by address); returns their version (`have` when none is
         newer)."""
-        while True:
+        while not self.over:
             version = int(self.header[VERSION])
             if version <= have:
                 return have
@@ -153,8 +155,9 @@ class Board:
             for param in _parameters(model):
                 param.copy_(slot[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
-            if int(self.header[VERSION]) < version + 2:  # its slot was not rewritten meanwhile
+            if int(self.header[WRITING]) < version + 2:  # its slot was not rewritten meanwhile
                 return version
+        return have
 
     # The flag and the counters --------------------------------------------------------
 
