@@ -253,3 +253,15 @@ def test_an_actor_reads_again_a_slot_rewritten_during_its_copy(formatted_model):
             assert torch.equal(mine, theirs)
     finally:
         board.close(link)
+
+
+def test_the_board_is_the_run_user_s_alone(formatted_model):
+    # The learner unpickles what it finds on the board: nobody else may write there.
+    learner, _ = load_model_and_tokenizer(formatted_model, torch.device("cpu"))
+    link = new_board_path()
+    board = Board.create(link, 1, learner)
+    try:
+        for directory in (board.path, Path(link).parent):
+            assert directory.stat().st_mode & 0o077 == 0, directory
+    finally:
+        board.close(link)

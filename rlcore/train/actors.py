@@ -23,7 +23,8 @@ while actors read the other; an actor whose slot was begun again during its copy
 versions on, reads again), and each actor's finished batch as a pickle. A stop request, the
 end of the run or a failure on the learner sets the stop flag and removes the board; an actor
 that dies fails the run with the end of its log (`distributed.check_followers`); actors leave
-when the learner's process is gone.
+when the learner's process is gone. The board and its link live in directories only the run's
+user can open (`mkdtemp`, mode 0700), since the learner unpickles the batches it finds there.
 
 A resumed run restores the learner as any run; the actors restart their example streams from
 the resumed step (seed + rank x stride + step), so it continues but does not replay exactly.
