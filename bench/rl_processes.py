@@ -3,7 +3,7 @@
 
     python bench/rl_processes.py [--device auto] [--games 64,256,1024] [--processes 1,2,4]
         [--actors 2,4] [--steps 8] [--warmup 2] [--recipe recipes/tictactoe_tiny/rl_gpu.toml]
-        [--model tiny-master] [--out PATH] [--profile 4,8]
+        [--model tiny-master] [--out PATH] [--profile 4,8] [--set KEY=VALUE ...]
 
 Each row is a real `run_rl` (`run_rl_ranks`, as `python -m rlcore rl ... processes=P` runs
 it) of the recipe with `--model` as the policy (a trained player, whose replies end as a
@@ -21,6 +21,7 @@ count's at the same games; `vs 64` with the same processes at the fewest games.
 `--actors A` adds rows of one learner fed by A rollout actors (`RLConfig.actors`): there the
 rollout and scoring are an actor's, `wait` the learner's wait for a batch, and `lag` the median
 number of updates between the weights that played a batch and the ones it trained.
+`--set KEY=VALUE` overrides a recipe setting in every row (`micro_batch_size=1024`, say).
 Writes bench/results/rl_processes_<device>.json.
 """
 
@@ -70,7 +71,7 @@ def run_row(args, games: int, processes: int, actors: int = 0) -> dict:
             f"processes={processes}", f"actors={actors}", f"device={args.device}",
             f"output_dir={output_dir}",
             f"max_steps={args.warmup + args.steps}", "save_every=0", "select.keep=1",
-            "log_rollouts=0",
+            "log_rollouts=0", *args.set,
         ]  # fmt: skip
         cfg = load_config(RLConfig, args.recipe, overrides)
         sink = TimedSink()
@@ -146,6 +147,13 @@ def main(argv: list[str] | None = None) -> dict:
         default="",
         help="process counts whose rows profile rank 0's update in their first timed step",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe setting for every row (repeatable)",
+    )
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "steps": args.steps,
         "warmup": args.warmup,
+        "settings": args.set,
         "command": "python bench/rl_processes.py " + " ".join(argv or sys.argv[1:]),
         "rows": rows,
     }
