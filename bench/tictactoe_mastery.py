@@ -345,12 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         help="env param self_play: share of the RL games whose opponent is the policy itself",
     )
     parser.add_argument(
-        "--rl-win-chances",
-        action="store_true",
-        help="env param win_chances: the sound mass also raises the oracle's moves (the most "
-        "chances against a random opponent) above the other sound ones",
-    )
-    parser.add_argument(
         "--rl-loss-reward",
         type=float,
         default=0.0,
@@ -488,7 +482,6 @@ def main(argv: list[str] | None = None) -> int:
             "loss_reward": args.rl_loss_reward,
             "think_reward": args.rl_think_reward,
             "self_play": args.rl_self_play,
-            "win_chances": args.rl_win_chances,
         },
         output_dir=str(out / "rl"),
         max_steps=args.rl_max_steps,
