@@ -15,7 +15,8 @@ run's last K saves (one every `--rl-select-every` steps) by the trainer's own ch
 `select`, rlcore/train/select.py): each plays `--rl-select-games` validation games per
 opponent (their own seed, apart from the training streams and the held-out evaluation's)
 and the best by the choice rule (`choice_score`, the env's validation weights) is the RL
-stage.
+stage. `--rl-select-average A` adds one candidate: the weights averaged over the last A
+saves (`select.average`).
 The first save's validation is timed as it is made, and RL stops K such times before the
 budget's end, so the choice is paid for out of the same wall time. The last step's save is evaluated
 too, as the stage `rl_last`: what the choice gained, on the same held-out games.
@@ -360,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rl-select-every", type=int, default=25, help="RL steps between saves")
     parser.add_argument(
+        "--rl-select-average",
+        type=int,
+        default=0,
+        help="with --rl-select, one more candidate: the weights averaged over the last K saves",
+    )
+    parser.add_argument(
         "--rl-select-games", type=int, default=500, help="validation games per opponent"
     )
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
@@ -457,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. RL for whatever is left of the budget (or until the split).
     started = time.monotonic()
-    deadline = pipeline_started + budget_s - spent - args.rl_select * times.get("select_probe", 0)
+    candidates = args.rl_select + (args.rl_select > 1 and args.rl_select_average > 1)
+    deadline = pipeline_started + budget_s - spent - candidates * times.get("select_probe", 0)
     split = pipeline_started + args.split_minutes * 60 if args.split_minutes is not None else None
 
     def probe(save: str) -> float:
@@ -466,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         validate(save, args, "probe")
         times["select_probe"] = time.monotonic() - started
-        return args.rl_select * times["select_probe"]
+        return candidates * times["select_probe"]
 
     rl_config = settings(
         RLConfig,
@@ -507,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             "keep": args.rl_select,
             "num_examples": args.rl_select_games,
             "seed": VALIDATION_SEED,
+            "average": args.rl_select_average,
         },
         device=args.device,
         processes=args.rl_processes,

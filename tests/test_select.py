@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from rlcore.envs import load_environment
 from rlcore.evaluate import EvalConfig, run_eval, summary_metrics
@@ -66,6 +68,58 @@ def test_the_result_is_the_best_of_the_last_saves_on_validation_games(tiny_model
     assert sorted(reported) == [2, 3, 4]
     assert sink.checkpoints[-1] == (record["candidates"][best]["step"], path)
     assert any("select: chose" in message for _, message in sink.logs)
+
+
+def test_the_average_of_the_last_saves_is_one_more_candidate(tiny_model, tmp_path):
+    cfg = select_config(tiny_model, tmp_path, select={"keep": 2, "num_examples": 6, "average": 3})
+    run_rl(build_config(RLConfig, [("test", {**cfg.to_dict(), "select": {"keep": 0}})]))
+    out = Path(cfg.output_dir)
+    # The tiny model's few steps barely move it: make the three saves averaged differ.
+    names = ("step_000002", "step_000003", "final")
+    generator = torch.Generator().manual_seed(0)
+    for name in names[:2]:
+        weights = load_file(out / name / "model.safetensors")
+        noisy = {
+            k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in weights.items()
+        }
+        save_file(noisy, out / name / "model.safetensors", metadata={"format": "pt"})
+    path, record = choose_save(cfg, RecordingSink())
+    # The last two saves, then average/ of the last three (steps 2, 3 and final's 4).
+    assert list(record["candidates"]) == ["step_000003", "final", "average"]
+    assert record["candidates"]["average"]["step"] == 4
+    saves = [load_file(out / name / "model.safetensors") for name in names]
+    averaged = load_file(out / "average" / "model.safetensors")
+    assert averaged.keys() == saves[0].keys()
+    for name, tensor in averaged.items():
+        expected = sum(save[name].double() for save in saves) / 3
+        assert tensor.dtype == saves[-1][name].dtype
+        assert torch.allclose(tensor.double(), expected, atol=1e-6), name
+        assert not torch.equal(tensor, saves[-1][name])
+    assert not (out / "average" / TRAINER_STATE).exists()
+    assert (out / "average" / "tokenizer.json").is_file()
+    # Its score is a plain greedy eval of it on the validation games; it can be the result.
+    rerun = run_eval(
+        EvalConfig(
+            env="reverse_text",
+            model=str(out / "average"),
+            env_args=REVERSE_AB,
+            num_examples=6,
+            max_tokens=8,
+            temperature=0.0,
+            seed=777,
+            device="cpu",
+        )
+    )
+    scored = record["candidates"]["average"]["score"]
+    assert summary_metrics(rerun.summary)["reward/mean"] == pytest.approx(scored, abs=1e-6)
+    chosen = record["chosen"]
+    assert (Path(path) / "model.safetensors").read_bytes() == (
+        out / chosen / "model.safetensors"
+    ).read_bytes()
+    # The average is a candidate of the choice: without one it is refused, naming the field.
+    with pytest.raises(ConfigError) as error:
+        select_config(tiny_model, tmp_path, select={"keep": 0, "average": 3})
+    assert "select.average" in error.value.errors
 
 
 def test_a_stop_request_during_the_choice_keeps_what_was_played(tiny_model, tmp_path):

@@ -84,6 +84,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "num_iterations": (1, 1000),
     "log_rollouts": (0, 1_048_576),
     "keep": (0, 10_000),
+    "average": (0, 10_000),
 }
 # Numbers that must be strictly above their lower bound.
 ABOVE_LOW = {"lr", "top_p", "adam_eps"}
@@ -200,6 +201,10 @@ class SelectConfig:
     seed: int = 20_000
     """example seed of the validation games: keep it apart from the run's own `seed` and
     from the held-out games you report"""
+    average: int = 0
+    """with `keep` > 1, one more candidate: the weights averaged (uniformly) over the run's
+    last this many saves, played like the others (`average/` beside the saves); 0 or 1:
+    none"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -424,6 +429,11 @@ class RLConfig:
             errors["select.keep"] = (
                 f"chooses among saves: set save_every (steps between saves), got keep "
                 f"{self.select.keep} with save_every 0"
+            )
+        if self.select.average > 1 and self.select.keep < 2:
+            errors["select.average"] = (
+                f"is a candidate of the choice among saves: set select.keep above 1, got "
+                f"average {self.select.average} with keep {self.select.keep}"
             )
         if not self.sampling.temperature > 0:
             errors["sampling.temperature"] = (

@@ -105,7 +105,7 @@ from rlcore.types import Rollout, SamplingParams, Turn
 # Config fields a resumed run may change without changing what it computes.
 # Data-parallel rank r seeds its sampling with seed + r x this (rank 0: the run's seed).
 RANK_SEED_STRIDE = 1_000_003
-RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement", "processes", "actors", "select.keep", "select.num_examples", "select.seed"}  # fmt: skip
+RESUMABLE_CHANGES = {"resume_from", "max_steps", "output_dir", "save_every", "device", "log_rollouts", "placement", "processes", "actors", "select.keep", "select.num_examples", "select.seed", "select.average"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
