@@ -13,7 +13,7 @@ to `select.json` beside the saves, and each candidate's score into the run's met
 With `select.average` = K > 1 one more candidate plays: the weights averaged over the run's
 last K saves (`average/`). The saves of one run lie close enough to average (the same start,
 one small step after another). On the 2-core CPU profile's runs the validation games chose
-the average of the last 21 saves on two of three, and there it beat the best single save's
+the average of the last 21 saves on two of three, and there it beat the top-ranked single save's
 held-out score by 0.10 (docs/mastery.md, thirty-sixth session): the average smooths the
 save-to-save swing that the choice otherwise samples.
 """
