@@ -83,7 +83,11 @@ def test_the_average_of_the_last_saves_is_one_more_candidate(tiny_model, tmp_pat
             k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in weights.items()
         }
         save_file(noisy, out / name / "model.safetensors", metadata={"format": "pt"})
-    path, record = choose_save(cfg, RecordingSink())
+    sink = RecordingSink()
+    path, record = choose_save(cfg, sink)
+    logs = [message for _, message in sink.logs]
+    assert "select: average/ averages the last 3 saves" in logs
+    assert any(m.startswith("select: 2 saves (steps 3..4) and average/ x 6 greedy") for m in logs)
     # The last two saves, then average/ of the last three (steps 2, 3 and final's 4).
     assert list(record["candidates"]) == ["step_000003", "final", "average"]
     assert record["candidates"]["average"]["step"] == 4

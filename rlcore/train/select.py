@@ -87,20 +87,21 @@ def choose_save(cfg, sink: EventSink | None = None) -> tuple[str, dict]:
     sink = sink or NullSink()
     output_dir = Path(cfg.output_dir)
     saves = saved_steps(output_dir, cfg.max_steps)
-    candidates = saves[-cfg.select.keep :]
+    candidates = singles = saves[-cfg.select.keep :]
     if not candidates:
         raise ValueError(f"select: the run left no save in {output_dir} to choose among")
     if cfg.select.average > 1 and len(saves) > 1:
         averaged = [path for _, path in saves[-cfg.select.average :]]
         if any(not (path / WEIGHTS).is_file() for path in averaged):
             raise ValueError(f"select.average: a save in {output_dir} has no {WEIGHTS}")
-        candidates.append((saves[-1][0], average_saves(averaged, output_dir / AVERAGE)))
+        candidates = [*singles, (saves[-1][0], average_saves(averaged, output_dir / AVERAGE))]
         sink.log(f"select: {AVERAGE}/ averages the last {len(averaged)} saves")
     validation = load_environment(cfg.env, **cfg.env_args).validation()
     if len(candidates) > 1:
         sink.log(
-            f"select: {len(candidates)} candidates (steps {candidates[0][0]}..{candidates[-1][0]}) "
-            f"x {cfg.select.num_examples} greedy games of "
+            f"select: {len(singles)} saves (steps {singles[0][0]}..{singles[-1][0]})"
+            + (f" and {AVERAGE}/" if len(candidates) > len(singles) else "")
+            + f" x {cfg.select.num_examples} greedy games of "
             + ", ".join(part.name for part in validation)
         )
     else:  # a run shorter than save_every: nothing to choose between
