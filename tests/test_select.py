@@ -29,6 +29,15 @@ def select_config(model: str, tmp_path, **changes) -> RLConfig:
     return rl_config(model, tmp_path, **{**values, **changes})
 
 
+def validation_reward(model: Path) -> float:
+    """A plain greedy eval of `model` on select_config's validation games: its mean reward."""
+    config = EvalConfig(
+        env="reverse_text", model=str(model), env_args=REVERSE_AB, num_examples=6,
+        max_tokens=8, temperature=0.0, seed=777, device="cpu",
+    )  # fmt: skip
+    return summary_metrics(run_eval(config).summary)["reward/mean"]
+
+
 def test_the_result_is_the_best_of_the_last_saves_on_validation_games(tiny_model, tmp_path):
     cfg = select_config(tiny_model, tmp_path)
     sink = RecordingSink()
@@ -50,19 +59,7 @@ def test_the_result_is_the_best_of_the_last_saves_on_validation_games(tiny_model
     ).read_bytes()
     assert not (out / "best" / TRAINER_STATE).exists()
     # The recorded score is what a plain greedy eval of that save on the same games gives.
-    rerun = run_eval(
-        EvalConfig(
-            env="reverse_text",
-            model=str(chosen),
-            env_args=REVERSE_AB,
-            num_examples=6,
-            max_tokens=8,
-            temperature=0.0,
-            seed=777,
-            device="cpu",
-        )
-    )
-    assert summary_metrics(rerun.summary)["reward/mean"] == pytest.approx(scores[best], abs=1e-6)
+    assert validation_reward(chosen) == pytest.approx(scores[best], abs=1e-6)
     # The run reports each candidate's score at its step and the chosen save as a checkpoint.
     reported = {step: m["select/score"] for step, m in sink.metrics if "select/score" in m}
     assert sorted(reported) == [2, 3, 4]
@@ -102,20 +99,8 @@ def test_the_average_of_the_last_saves_is_one_more_candidate(tiny_model, tmp_pat
     assert not (out / "average" / TRAINER_STATE).exists()
     assert (out / "average" / "tokenizer.json").is_file()
     # Its score is a plain greedy eval of it on the validation games; it can be the result.
-    rerun = run_eval(
-        EvalConfig(
-            env="reverse_text",
-            model=str(out / "average"),
-            env_args=REVERSE_AB,
-            num_examples=6,
-            max_tokens=8,
-            temperature=0.0,
-            seed=777,
-            device="cpu",
-        )
-    )
     scored = record["candidates"]["average"]["score"]
-    assert summary_metrics(rerun.summary)["reward/mean"] == pytest.approx(scored, abs=1e-6)
+    assert validation_reward(out / "average") == pytest.approx(scored, abs=1e-6)
     chosen = record["chosen"]
     assert (Path(path) / "model.safetensors").read_bytes() == (
         out / chosen / "model.safetensors"
