@@ -58,14 +58,15 @@ def average_saves(saves: list[Path], out: Path) -> Path:
     dtype) written to `out` with the last save's other files (config, tokenizer; no
     trainer state: it is a result, never resumed from)."""
     total: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for save in saves:
         for name, tensor in load_file(save / WEIGHTS).items():
             total[name] = total[name] + tensor.double() if name in total else tensor.double()
-    last = load_file(saves[-1] / WEIGHTS)
+            dtypes[name] = tensor.dtype  # the last save's
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(saves[-1], out, ignore=shutil.ignore_patterns(TRAINER_STATE, WEIGHTS))
-    averaged = {name: (t / len(saves)).to(last[name].dtype) for name, t in total.items()}
+    averaged = {name: (t / len(saves)).to(dtypes[name]) for name, t in total.items()}
     save_file(averaged, out / WEIGHTS, metadata={"format": "pt"})
     return out
 
