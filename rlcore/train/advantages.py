@@ -83,6 +83,7 @@ def turn_reward_advantages(
     turn_rewards: list[list[float]],
     group_size: int,
     batch_mean: float | None = None,
+    agreed_credit: bool = True,
 ) -> list[list[float]]:
     """Per-turn advantages from the env's per-turn rewards (Environment.turn_rewards).
 
@@ -124,7 +125,11 @@ def turn_reward_advantages(
             for key, reward in zip(row, rewards, strict=True):
                 seen.setdefault(key, []).append(reward)
         baselines = {
-            key: sum(values) / len(values) if len(set(values)) > 1 else batch_mean
+            key: sum(values) / len(values)
+            if len(set(values)) > 1
+            else batch_mean
+            if agreed_credit
+            else max(batch_mean, values[0])
             for key, values in seen.items()
         }
         for row, (_, rewards) in zip(keys, group, strict=True):
