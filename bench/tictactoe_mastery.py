@@ -313,13 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         "value, 0 otherwise) in each move's advantage; 0: outcome rewards only",
     )
     parser.add_argument(
-        "--rl-turn-reward-blame-only",
-        action="store_true",
-        help="turn_reward_agreed_credit = false: where every move tried in a position got the "
-        "same per-move reward, it counts only below the batch mean (no credit for a move "
-        "always made well)",
-    )
-    parser.add_argument(
         "--rl-sound-mass",
         type=float,
         default=0.0,
@@ -506,7 +499,6 @@ def main(argv: list[str] | None = None) -> int:
         loss_aggregation=args.rl_aggregation,
         advantage=args.rl_advantage,
         turn_reward_weight=args.rl_turn_reward_weight,
-        turn_reward_agreed_credit=not args.rl_turn_reward_blame_only,
         sound_mass_weight=args.rl_sound_mass,
         train_think=not args.rl_no_think_loss,
         beta=args.rl_beta,

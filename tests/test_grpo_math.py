@@ -338,26 +338,6 @@ def test_turn_rewards_are_compared_in_their_position_where_moves_differed():
     assert again == [[0.5], [-0.5], [-0.5], [0.5]]
 
 
-def test_without_agreed_credit_a_position_whose_moves_all_scored_alike_gets_only_blame():
-    rollouts = [keyed("a", "b"), keyed("a", "c"), keyed("d"), keyed("d")]
-    rewards = [[1.0, 1.0], [1.0, 0.0], [0.0], [0.0]]
-    batch_mean = 3 / 6
-    advantages = turn_reward_advantages(rollouts, rewards, 2, agreed_credit=False)
-    # "a" and "d": every move tried there scored the same. The good one ("a") is not pushed
-    # further up; the bad one ("d") is pushed off as before. "b" and "c" were met once:
-    # alike, so "b" (above the mean) gets 0 and "c" (below) its blame.
-    expected = [[0.0, 0.0], [0.0, 0.0 - batch_mean], [0.0 - batch_mean], [0.0 - batch_mean]]
-    for actual, wanted in zip(advantages, expected, strict=True):
-        assert actual == pytest.approx(wanted)
-    # Where the moves differed nothing changes: the position's own mean is the baseline.
-    mixed = [keyed("a"), keyed("a")]
-    assert turn_reward_advantages(mixed, [[1.0], [0.0]], 2, agreed_credit=False) == [
-        [0.5],
-        [-0.5],
-    ]
-    assert turn_reward_advantages(rollouts, rewards, 2)[0] == pytest.approx([0.5, 0.5])
-
-
 def test_turn_rewards_must_match_the_turns_and_fill_whole_groups():
     with pytest.raises(ValueError, match="rollout 1 .* has 2 turns but 1 per-turn rewards"):
         turn_reward_advantages([keyed("a"), keyed("a", "b")], [[1.0], [1.0]], 2)

@@ -83,7 +83,6 @@ def turn_reward_advantages(
     turn_rewards: list[list[float]],
     group_size: int,
     batch_mean: float | None = None,
-    agreed_credit: bool = True,
 ) -> list[list[float]]:
     """Per-turn advantages from the env's per-turn rewards (Environment.turn_rewards).
 
@@ -125,11 +124,7 @@ def turn_reward_advantages(
             for key, reward in zip(row, rewards, strict=True):
                 seen.setdefault(key, []).append(reward)
         baselines = {
-            key: sum(values) / len(values)
-            if len(set(values)) > 1
-            else batch_mean
-            if agreed_credit
-            else max(batch_mean, values[0])
+            key: sum(values) / len(values) if len(set(values)) > 1 else batch_mean
             for key, values in seen.items()
         }
         for row, (_, rewards) in zip(keys, group, strict=True):

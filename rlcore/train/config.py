@@ -364,10 +364,6 @@ class RLConfig:
     move that keeps the game-theoretic value, 0 for one that gives some away or is
     invalid) in each turn's advantage, against a per-position baseline (see
     advantages.turn_reward_advantages). 0 trains on episode rewards alone"""
-    turn_reward_agreed_credit: bool = True
-    """false: where every move the group tried in a position got the same per-turn reward,
-    that reward counts only below the batch mean (blame for a move always made badly, no
-    credit for one always made well; see advantages.turn_reward_advantages)"""
     sound_mass_weight: float = 0.0
     """at every move the env judges, every legal move of the position is judged, and the
     loss adds this weight times -log of the policy's probability (at the sampling

@@ -198,9 +198,7 @@ def step_advantages(
             torch.tensor([sum(flat_verdicts), len(flat_verdicts)], dtype=torch.float64)
         ).tolist()
         mean = summed / judged if judged else 0.0
-        extra = turn_reward_advantages(
-            rollouts, verdicts, group, batch_mean=mean, agreed_credit=cfg.turn_reward_agreed_credit
-        )
+        extra = turn_reward_advantages(rollouts, verdicts, group, batch_mean=mean)
         turns = add_turn_advantages(turns, extra, cfg.turn_reward_weight)
         sums |= {"turn_rewards": float(sum(flat_verdicts)), "judged_turns": len(flat_verdicts)}
     flat = [a for row in turns for a in row]
