@@ -21,6 +21,7 @@ from rlcore.envs.tictactoe_game import (
     other_mark,
     render_board,
     turn_seed,
+    win_chance_after,
     winner,
 )
 from rlcore.envs.tictactoe_players import OraclePolicy
@@ -226,6 +227,36 @@ def test_oracle_prefers_corners_or_centre_that_trap_a_random_opponent():
     assert oracle_best_moves("X........", "O") == [4]
 
 
+def random_positions(rng: random.Random, count: int, max_moves: int):
+    """Up to `count` positions of games played at random for up to `max_moves` moves, each
+    with the mark to move (finished games are left out)."""
+    for _ in range(count):
+        board, to_move = "." * 9, rng.choice("XO")
+        for _ in range(rng.randrange(0, max_moves + 1)):
+            if game_over(board):
+                break
+            board = play(board, rng.choice(empty_cells(board)), to_move)
+            to_move = other_mark(to_move)
+        if not game_over(board):
+            yield board, to_move
+
+
+def test_win_chance_after_is_what_the_oracle_maximises_and_its_exact_limits():
+    # The exact chances against a uniformly random opponent of opening in each cell and
+    # playing on as the oracle: a corner 99.48 %, the centre 98.96 %, an edge 98.70 %.
+    first = {cell: win_chance_after("." * 9, cell, "X") for cell in range(9)}
+    assert max(first.values()) == first[0] == first[8] > first[4] > first[1]
+    assert float(first[0]) == pytest.approx(0.9948, abs=1e-4)
+    for board, to_move in random_positions(random.Random(3), 200, max_moves=5):
+        chances = {cell: win_chance_after(board, cell, to_move) for cell in empty_cells(board)}
+        best = max(chances[cell] for cell in minimax_best_moves(board, to_move))
+        assert {c for c in minimax_best_moves(board, to_move) if chances[c] == best} == set(
+            oracle_best_moves(board, to_move)
+        )
+    with pytest.raises(ValueError, match="cell 0 is not empty"):
+        win_chance_after("X........", 0, "O")
+
+
 async def test_oracle_policy_tie_break_is_uniform_and_repeatable():
     oracle = OraclePolicy()
     sampling = SamplingParams()
@@ -243,15 +274,7 @@ async def test_oracle_policy_tie_break_is_uniform_and_repeatable():
 async def test_oracle_policy_always_picks_an_oracle_best_move():
     oracle = OraclePolicy(seed=5)
     rng = random.Random(11)
-    for _ in range(300):
-        board, to_move = "." * 9, rng.choice("XO")
-        for _ in range(rng.randrange(0, 7)):
-            if game_over(board):
-                break
-            board = play(board, rng.choice(empty_cells(board)), to_move)
-            to_move = other_mark(to_move)
-        if game_over(board):
-            continue
+    for board, to_move in random_positions(rng, 300, max_moves=6):
         state = {"seed": rng.randrange(1000), "board": list(board), "model_mark": to_move}
         text = (await oracle.generate([], SamplingParams(), state=state)).text
         move = int(text.split("<move>")[1].split("</move>")[0])

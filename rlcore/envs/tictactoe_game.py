@@ -183,6 +183,17 @@ def _safe_move_chances(board: str, player: str) -> dict[int, Fraction]:
     }
 
 
+def win_chance_after(board: Sequence[str] | str, cell: int, player: str) -> Fraction:
+    """The exact chance that `player`, moving at `cell` now and as the oracle from then on,
+    beats an opponent who plays uniformly at random (the value the oracle maximises over
+    its minimax best moves; here for any legal move, an unsound one included)."""
+    text = board_string(board)
+    if cell not in empty_cells(text):
+        raise ValueError(f"cell {cell} is not empty on board {text!r}")
+    after = text[:cell] + check_mark(player) + text[cell + 1 :]
+    return _win_chance(after, player, other_mark(player))
+
+
 def oracle_best_moves(board: Sequence[str] | str, player: str) -> list[int]:
     """The oracle's candidates: among `minimax_best_moves` (so it never loses and wins as
     fast as it can), those that give an opponent playing at random the most chances to
