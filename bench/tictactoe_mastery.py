@@ -313,12 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         "value, 0 otherwise) in each move's advantage; 0: outcome rewards only",
     )
     parser.add_argument(
-        "--rl-fastest-wins",
-        action="store_true",
-        help="env param fastest_wins: the per-move credit and the sound mass count, from a won "
-        "position, only the moves that win fastest",
-    )
-    parser.add_argument(
         "--rl-sound-mass",
         type=float,
         default=0.0,
@@ -496,7 +490,6 @@ def main(argv: list[str] | None = None) -> int:
             "loss_reward": args.rl_loss_reward,
             "think_reward": args.rl_think_reward,
             "self_play": args.rl_self_play,
-            "fastest_wins": args.rl_fastest_wins,
         },
         output_dir=str(out / "rl"),
         max_steps=args.rl_max_steps,

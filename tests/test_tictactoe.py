@@ -16,9 +16,7 @@ from rlcore.envs import ParamError, load_environment
 from rlcore.envs.tictactoe import (
     TicTacToeEnv,
     format_reward,
-    game_state,
     is_well_formatted,
-    model_reply,
     outcome_label,
 )
 from rlcore.envs.tictactoe_game import (
@@ -37,7 +35,7 @@ from rlcore.envs.tictactoe_players import OraclePolicy, RandomValidPolicy
 from rlcore.policy import load_policy
 from rlcore.policy.base import ConstantPolicy, Policy, PolicyError
 from rlcore.rollout import run_rollouts
-from rlcore.types import Generation, Rollout, SamplingParams, Turn
+from rlcore.types import Generation, SamplingParams
 
 SAMPLING = SamplingParams()
 
@@ -99,7 +97,6 @@ def test_registry_builds_the_env_with_defaults():
         "loss_reward": 0.0,
         "reasoning": "empty",
         "think_reward": 0.0,
-        "fastest_wins": False,
         "self_play": 0.0,
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
@@ -368,33 +365,6 @@ async def test_every_reply_is_recorded_sound_unsound_or_invalid_and_rewarded_per
     assert env.turn_rewards(rollout) == [0.0] + [1.0] * (len(record) - 1)
     metrics = env.rollout_metrics(rollout)
     assert metrics["sound_move_rate"] == pytest.approx((len(record) - 1) / len(record))
-
-
-def test_fastest_wins_credits_only_the_quickest_win_from_a_won_position():
-    # O to move wins at once with 5, and also by 2 (a fork): both sound, 5 the fastest.
-    board = "XX.OO...X"
-    for cell, fastest in ((5, True), (2, False)):
-        state = game_state(seed=0, model_mark="O", model_starts=False, random_move_prob=0.0)
-        state["board"] = list(board)
-        reply = f"<think></think><move>{cell}</move>"
-        assert model_reply(state, reply) == (cell, None)
-        assert state["move_sound"] == [True] and state["move_fastest"] == [fastest]
-        turn = Turn(prompt_ids=[1], completion_ids=[2], state_key=f"{board}/0")
-        rollout = Rollout(0, 0, 0, [], 0, state=state, turns=[turn])
-        for flag, credited in ((False, {"2", "5"}), (True, {"5"})):
-            env = TicTacToeEnv(model_mark="O", reasoning="none", fastest_wins=flag)
-            assert env.turn_rewards(rollout) == [1.0 if str(cell) in credited else 0.0]
-            options = env.move_options(rollout, 0, reply)
-            judged = {o for o in [options.played, *options.others] if options.judge(o) == 1.0}
-            assert judged == credited
-    # From a drawn position every drawing move counts either way (after a corner, the centre).
-    state = game_state(seed=0, model_mark="O", model_starts=False, random_move_prob=0.0)
-    state["board"] = list("X........")
-    model_reply(state, "<think></think><move>4</move>")
-    assert state["move_sound"] == state["move_fastest"] == [True]
-    # An invalid reply is recorded in both.
-    model_reply(state, "<think></think><move>4</move>")
-    assert state["move_sound"][-1] is None and state["move_fastest"][-1] is None
 
 
 async def test_the_sound_move_record_matches_a_replay_of_random_games():

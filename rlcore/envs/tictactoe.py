@@ -50,7 +50,6 @@ from rlcore.envs.tictactoe_game import (
     check_mark,
     empty_cells,
     game_over,
-    minimax_best_moves,
     missed_tactic,
     move_values,
     opponent_move,
@@ -146,9 +145,6 @@ def game_state(
         # Per model reply: whether its move was sound (kept the game-theoretic value),
         # None for an invalid reply.
         "move_sound": [],
-        # Per model reply: whether its move was a minimax best one (a sound move that, from a
-        # won position, wins fastest), None for an invalid reply.
-        "move_fastest": [],
         # Per model reply: "win" when it could have won on the spot and did not, "block"
         # when it had to block the opponent's line and did not (`missed_tactic`), else None.
         "move_missed": [],
@@ -176,13 +172,9 @@ def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]
     if error is not None:
         state["invalid_moves"] += 1
         state["move_sound"].append(None)
-        state.setdefault("move_fastest", []).append(None)
         state.setdefault("move_missed", []).append(None)
         return None, error
     state["move_sound"].append(cell in sound_moves(board, state["model_mark"]))
-    state.setdefault("move_fastest", []).append(
-        cell in minimax_best_moves(board, state["model_mark"])
-    )
     missed = missed_tactic(board, cell, state["model_mark"])
     state.setdefault("move_missed", []).append(missed[0] if missed else None)
     play_move(board, state["moves"], cell, state["model_mark"], "model")
@@ -334,15 +326,6 @@ class TicTacToeEnv(MultiTurnEnv):
             "one by one also keeps the reasoning true.",
             min=0.0,
             max=10.0,
-        ),
-        Param(
-            "fastest_wins",
-            bool,
-            False,
-            "Per-move credit (`turn_rewards`, and the moves judged best for the sound mass) "
-            "from the minimax best moves instead of every sound one: from a won position only "
-            "the moves that win fastest count (a win on the spot where there is one), from a "
-            "lost one those that lose slowest; from a drawn one every drawing move, as before.",
         ),
         Param(
             "self_play",
@@ -610,9 +593,6 @@ class TicTacToeEnv(MultiTurnEnv):
         sound = rollout.state.get("move_sound")
         if sound is None:
             return None
-        fastest = rollout.state.get("move_fastest")
-        if self.config["fastest_wins"] and isinstance(fastest, list) and len(fastest) == len(sound):
-            sound = fastest
         bonus = self.config["think_reward"]
         thinks = rollout.state.get("think_correct")
         if not isinstance(thinks, list) or len(thinks) != len(sound):
@@ -659,8 +639,7 @@ class TicTacToeEnv(MultiTurnEnv):
         start = reply.rfind("<move>") + len("<move>")
         if cell is None or reply[start : start + 1] != str(cell):
             return None  # e.g. a padded tag ("<move> 4</move>"): no one-character move to swap
-        judged_best = minimax_best_moves if self.config["fastest_wins"] else sound_moves
-        sound_cells = set(judged_best(board, rollout.state["model_mark"]))
+        sound_cells = set(sound_moves(board, rollout.state["model_mark"]))
         return MoveOptions(
             prefix=reply[:start],
             played=str(cell),
