@@ -9,10 +9,10 @@ tictactoe ... -T 0 -a '{"min_random_move_prob": 1.0, "max_random_move_prob": 1.0
 any number of result files of one model) record its move at every history they met. This
 walks the whole game tree of each of the four seatings (the model's mark X or O, first or
 second): at the model's turn its recorded move, at the opponent's every empty cell with
-equal chance; so the win, draw and loss rates come out exact, as 1,000 games estimate them
-(within +-1.6 points, 95 % interval). A history the games never met takes the move the model made on
-the same board in another history, else the oracle's (`uncovered`: the chance of reaching
-one; a few thousand games cover all but a fraction of a percent).
+equal chance; so the win, draw and loss rates come out exact, where 1,000 games estimate
+them (within +-1.6 points, a 95 % interval). A history the games never met takes the move
+the model made on the same board in another history, else the oracle's (`uncovered`: the
+chance of reaching one; a few thousand games cover all but a fraction of a percent).
 
 At each move it also compares the model's move with the oracle's, both followed by the
 oracle's play (`win_chance_after`): the chance of reaching the position times the win
