@@ -71,6 +71,7 @@ def run_row(args, games: int, processes: int, actors: int = 0) -> dict:
             f"processes={processes}", f"actors={actors}", f"device={args.device}",
             f"output_dir={output_dir}",
             f"max_steps={args.warmup + args.steps}", "save_every=0", "select.keep=1",
+            "select.average=0",
             "log_rollouts=0", *args.set,
         ]  # fmt: skip
         cfg = load_config(RLConfig, args.recipe, overrides)

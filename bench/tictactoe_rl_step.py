@@ -86,7 +86,7 @@ def config(
         overrides = [
             f"model={model}", f"batch_size={games}", f"concurrency={games}",
             f"micro_batch_size={micro_batch_size}", "save_every=0", f"device={device}",
-            f"output_dir={output_dir}", "max_steps=1000000", "select.keep=1",
+            f"output_dir={output_dir}", "max_steps=1000000", "select.keep=1", "select.average=0",
         ]  # fmt: skip
         # (select.keep=1: no saves, so no choice among them)
         cfg = load_config(RLConfig, recipe, overrides)
