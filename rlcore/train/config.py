@@ -373,6 +373,12 @@ class RLConfig:
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8
     """training sequences per forward pass (sorted by length to waste little padding)"""
+    compile: bool = False
+    """on CUDA, run the training pass (the model's forward, the logprobs, entropy and
+    judged-move mass, and their backward) compiled (torch.compile, shapes dynamic): the
+    update of 1,024 sequences 1.46x faster on an H100 (docs/BENCHMARKS.md), after a compile
+    of about a minute at the run's first update (and again the first time a micro-batch
+    without judged moves comes). For long runs; the CPU always runs it eagerly"""
     save_every: int = 0
     """save a checkpoint every this many steps (0: only the final one)"""
     resume_from: str | None = None

@@ -39,6 +39,7 @@ hold everything a resumed run needs to continue exactly where this one was
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -329,6 +330,19 @@ def token_logprobs(model, input_ids, temperature: float, with_entropy=False, mov
     return logprobs, entropy, best
 
 
+@functools.cache
+def compiled_token_logprobs():
+    """`token_logprobs` compiled once per process for every shape (the batch's rows and width
+    vary from step to step); a graph each for with or without entropy and judged moves."""
+    import torch._inductor.config as inductor
+
+    # Inductor's coalescing analysis fails an assertion on these dynamic shapes (torch 2.11,
+    # H100); without it the kernels are the same but for their tiling.
+    if hasattr(inductor.triton, "coalesce_tiling_analysis"):
+        inductor.triton.coalesce_tiling_analysis = False
+    return torch.compile(token_logprobs, dynamic=True)
+
+
 # ---------------------------------------------------------------------------------------
 # The two passes over a batch of sequences
 
@@ -453,13 +467,15 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     chunks = micro_batches(trainable, cfg.micro_batch_size)
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
+    compiled = cfg.compile and learner.device.type == "cuda"
+    forward = compiled_token_logprobs() if compiled else token_logprobs
     for iteration in range(cfg.num_iterations):
         for index, (chunk, batch, sets) in enumerate(zip(chunks, batches, move_sets, strict=True)):
             if iteration == 0 and learner.should_stop():
                 raise StepStopped(f"update 1: micro-batch {index + 1} of {len(chunks)} not run")
             input_ids, _, weights, advantages = batch
             with autocast(learner.device):
-                logprobs, entropy, best = token_logprobs(
+                logprobs, entropy, best = forward(
                     learner.model, input_ids, cfg.sampling.temperature, single_pass, sets
                 )
             width, device = weights.shape[1], learner.device
