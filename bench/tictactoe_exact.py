@@ -1,18 +1,27 @@
 """The exact result of a greedy tic-tac-toe player against the uniformly random opponent,
 without the sampling noise of 1,000 games, and where it gives up win chances.
 
-    python bench/tictactoe_exact.py RESULTS.jsonl [RESULTS.jsonl ...] [--top 12]
-        [--out bench/results/tictactoe_exact_<name>.json]
+    python bench/tictactoe_exact.py --model tiny-master [--device cpu] [--max-turns 6]
+        [--max-tokens 64] [--concurrency 256] [--top 12] [--out PATH]
+    python bench/tictactoe_exact.py RESULTS.jsonl [RESULTS.jsonl ...] [--top 12] [--out PATH]
 
-A greedy player is a function of the game so far: the eval's games (`python -m rlcore eval
-tictactoe ... -T 0 -a '{"min_random_move_prob": 1.0, "max_random_move_prob": 1.0, ...}'`,
-any number of result files of one model) record its move at every history they met. This
-walks the whole game tree of each of the four seatings (the model's mark X or O, first or
-second): at the model's turn its recorded move, at the opponent's every empty cell with
-equal chance; so the win, draw and loss rates come out exact, where 1,000 games estimate
-them (within +-1.6 points, a 95 % interval). A history the games never met takes the move
-the model made on the same board in another history, else the oracle's (`uncovered`: the
-chance of reaching one; a few thousand games cover all but a fraction of a percent).
+A greedy player is a function of the game so far. With `--model` the player is asked at
+every history a game against any opponent can reach, as the env would ask it (its system
+prompt, each board message, an invalid reply answered with the env's retry message, at most
+`--max-turns` replies a game): all such histories level by level, each level in one batch
+(~2,000 questions for a player that keeps to legal moves), so nothing is left to chance.
+From result files (`python -m rlcore eval tictactoe ... -T 0 -a '{"min_random_move_prob":
+1.0, "max_random_move_prob": 1.0, ...}'`, any number of files of one model) it reads the move
+the games recorded at each history they met instead; a history they never met takes the
+move the model made on the same board in another history, else the oracle's (`uncovered`:
+the chance of reaching one; a few thousand games cover all but a fraction of a percent).
+Either way it walks the whole game tree of each of the four seatings (the model's mark X or
+O, first or second): at the model's turn its move, at the opponent's every empty cell with
+equal chance, so the win, draw and loss rates come out exact, where 1,000 games estimate
+them (within +-1.6 points, a 95 % interval). A game the player leaves without a valid move
+in its turns counts as unfinished. With `--model` the perfect opponent's tree (its best
+moves with equal chance, as the env's minimax breaks ties) is walked too, and the choice
+rule's score (draws against optimal plus wins less twice the losses against random) printed.
 
 At each move it also compares the model's move with the oracle's, both followed by the
 oracle's play (`win_chance_after`): the chance of reaching the position times the win
@@ -24,30 +33,25 @@ value, picking among such moves at random, wins 87.3 %.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import sys
 from collections import Counter, defaultdict
 from fractions import Fraction
 from pathlib import Path
 
-from rlcore.envs.tictactoe_game import (
-    empty_cells,
-    minimax_best_moves,
-    oracle_best_moves,
-    other_mark,
-    sound_moves,
-    win_chance_after,
-    winner,
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlcore.envs.tictactoe_exact import (  # noqa: E402
+    OUTCOMES,
+    SEATINGS,
+    Walk,
+    ask_moves,
+    board_of,
 )
+from rlcore.envs.tictactoe_game import other_mark  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SEATINGS = [(mark, starts) for mark in ("X", "O") for starts in (True, False)]
-
-
-def board_of(history: tuple[int, ...], first: str) -> str:
-    cells = ["."] * 9
-    for ply, cell in enumerate(history):
-        cells[cell] = first if ply % 2 == 0 else other_mark(first)
-    return "".join(cells)
 
 
 def read_moves(paths: list[str]) -> tuple[dict, dict, int]:
@@ -70,63 +74,42 @@ def read_moves(paths: list[str]) -> tuple[dict, dict, int]:
     return by_history, by_board, games
 
 
-class Walk:
-    """The game tree of one model's recorded moves; rates and win chance given up."""
+def asked_moves(args) -> tuple[dict, int]:
+    """`--model`'s moves at every reachable history, in `read_moves`' shape."""
+    from rlcore.policy import load_policy
 
-    def __init__(self, by_history: dict, by_board: dict):
-        self.by_history, self.by_board = by_history, by_board
-        self.uncovered: Counter = Counter()
-        self.given_up: list[dict] = []
+    policy = load_policy(args.model, device=args.device, concurrency=args.concurrency)
 
-    def outcome(self, mark: str, starts: bool, history=(), reach=Fraction(1)) -> Counter:
-        first = mark if starts else other_mark(mark)
-        board = board_of(history, first)
-        won_by = winner(board)
-        if won_by is not None or "." not in board:
-            result = "draw" if won_by is None else "win" if won_by == mark else "loss"
-            return Counter({result: Fraction(1)})
-        if (first if len(history) % 2 == 0 else other_mark(first)) != mark:
-            cells = empty_cells(board)
-            total: Counter = Counter()
-            for cell in cells:
-                for key, value in self.outcome(
-                    mark, starts, history + (cell,), reach / len(cells)
-                ).items():
-                    total[key] += value / len(cells)
-            return total
-        seen = self.by_history.get((mark, starts, history)) or self.by_board.get((mark, board))
-        if seen:
-            cell = seen.most_common(1)[0][0]
-            best = max(win_chance_after(board, c, mark) for c in minimax_best_moves(board, mark))
-            gap = best - win_chance_after(board, cell, mark)
-            if gap > 0:
-                self.given_up.append(
-                    {
-                        "cost": reach * gap,
-                        "ply": len(history),
-                        "board": board,
-                        "mark": mark,
-                        "played": cell,
-                        "oracle": oracle_best_moves(board, mark),
-                        "sound": cell in sound_moves(board, mark),
-                        "gap": float(gap),
-                        "reach": float(reach),
-                    }
-                )
-        else:
-            self.uncovered[(mark, starts)] += reach
-            cell = oracle_best_moves(board, mark)[0]
-        return self.outcome(mark, starts, history + (cell,), reach)
+    async def ask():
+        try:
+            return await ask_moves(policy, args.max_turns, args.max_tokens)
+        finally:
+            await policy.aclose()
+
+    moves, asked = asyncio.run(ask())
+    return {key: Counter({cell: 1}) for key, cell in moves.items()}, asked
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", help="results.jsonl of greedy games vs random")
+    parser.add_argument("results", nargs="*", help="results.jsonl of greedy games vs random")
+    parser.add_argument("--model", help="ask this player at every history instead")
+    parser.add_argument("--device", default="cpu", help="where --model runs")
+    parser.add_argument("--max-turns", type=int, default=6, help="replies a game (env max_turns)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens a reply")
+    parser.add_argument("--concurrency", type=int, default=256, help="questions in one batch")
     parser.add_argument("--top", type=int, default=12, help="positions listed that cost most")
     parser.add_argument("--out", help="JSON to write (default: none)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if bool(args.model) == bool(args.results):
+        parser.error("give either --model or result files")
 
-    by_history, by_board, games = read_moves(args.results)
+    if args.model:
+        by_history, asked = asked_moves(args)
+        by_board, games = {}, 0
+    else:
+        by_history, by_board, games = read_moves(args.results)
+        asked = 0
     walk = Walk(by_history, by_board)
     rows, overall = [], Counter()
     for mark, starts in SEATINGS:
@@ -136,7 +119,7 @@ def main() -> None:
             {
                 "mark": mark,
                 "first": starts,
-                **{key: float(rates[key]) for key in ("win", "draw", "loss")},
+                **{key: float(rates[key]) for key in OUTCOMES},
                 "uncovered": float(walk.uncovered[(mark, starts)]),
             }
         )
@@ -146,16 +129,39 @@ def main() -> None:
         by_ply[item["ply"]] += float(item["cost"] * share)
     costly = sorted(walk.given_up, key=lambda item: item["cost"], reverse=True)[: args.top]
 
-    print(f"{games} games read, {len(by_history)} histories with a recorded move")
-    print(f"{'seating':<10} {'win':>7} {'draw':>7} {'loss':>7} {'uncovered':>10}")
+    if args.model:
+        print(f"{args.model}: {asked} questions, {len(by_history)} histories")
+    else:
+        print(f"{games} games read, {len(by_history)} histories with a recorded move")
+    print(
+        f"{'seating':<10} {'win':>7} {'draw':>7} {'loss':>7} {'unfinished':>10} {'uncovered':>10}"
+    )
     for row in rows:
         seat = f"{row['mark']} {'first' if row['first'] else 'second'}"
         print(
             f"{seat:<10} {row['win']:7.2%} {row['draw']:7.2%} {row['loss']:7.2%} "
-            f"{row['uncovered']:10.2%}"
+            f"{row['unfinished']:10.2%} {row['uncovered']:10.2%}"
         )
-    result = {key: float(overall[key]) for key in ("win", "draw", "loss")}
-    print(f"{'all':<10} {result['win']:7.2%} {result['draw']:7.2%} {result['loss']:7.2%}")
+    result = {key: float(overall[key]) for key in OUTCOMES}
+    print(
+        f"{'all':<10} {result['win']:7.2%} {result['draw']:7.2%} {result['loss']:7.2%} "
+        f"{result['unfinished']:10.2%}"
+    )
+    against_optimal = None
+    if args.model:  # every history was asked, so the perfect opponent's tree is known too
+        optimal = Walk(by_history, {}, "optimal")
+        against_optimal = Counter()
+        for mark, starts in SEATINGS:
+            for key, value in optimal.outcome(mark, starts).items():
+                against_optimal[key] += float(value) / len(SEATINGS)
+        against_optimal = {key: against_optimal[key] for key in OUTCOMES}
+        score = against_optimal["draw"] + result["win"] - 2 * result["loss"]
+        print(
+            f"against the optimal player: {against_optimal['draw']:.2%} drawn, "
+            f"{against_optimal['loss']:.2%} lost, {against_optimal['unfinished']:.2%} "
+            f"unfinished; the choice rule's score (draws vs optimal + wins - 2 x losses vs "
+            f"random): {score:.4f}"
+        )
     lost = sum(by_ply.values())
     print(
         f"win chance given up against the oracle's moves: {lost:.2%} (by ply: "
@@ -169,17 +175,21 @@ def main() -> None:
             f"{'sound' if item['sound'] else 'unsound'}): -{item['gap']:.3f} at reach "
             f"{item['reach']:.4f}"
         )
+    record = {
+        "command": "python bench/tictactoe_exact.py " + " ".join(argv or sys.argv[1:]),
+        "model": args.model,
+        "questions": asked,
+        "games_read": games,
+        "exact": result,
+        "exact_vs_optimal": against_optimal,
+        "seatings": rows,
+        "given_up": {"total": lost, "by_ply": {str(k): v for k, v in sorted(by_ply.items())}},
+        "costliest": [{**item, "cost": float(item["cost"] * share)} for item in costly],
+    }
     if args.out:
-        record = {
-            "command": "python bench/tictactoe_exact.py " + " ".join(args.results),
-            "games_read": games,
-            "exact": result,
-            "seatings": rows,
-            "given_up": {"total": lost, "by_ply": {str(k): v for k, v in sorted(by_ply.items())}},
-            "costliest": [{**item, "cost": float(item["cost"] * share)} for item in costly],
-        }
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
+    return record
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""The exact walk of a greedy tic-tac-toe player (rlcore/envs/tictactoe_exact.py): the
+oracle's known result, and a player stuck on an invalid move."""
+
+import asyncio
+
+from rlcore.envs.tictactoe_exact import SEATINGS, Walk, ask_moves, exact_rates
+from rlcore.envs.tictactoe_game import win_chance_after
+from rlcore.envs.tictactoe_players import OraclePolicy
+from rlcore.policy.base import ConstantPolicy
+
+
+def test_the_oracle_wins_its_known_share_and_never_loses():
+    rates = asyncio.run(exact_rates(OraclePolicy()))
+    # First: the oracle's opening move, followed by its own play, wins this often.
+    first = max(win_chance_after("." * 9, cell, "X") for cell in range(9))
+    walk_first = Walk({}, {})  # no recorded move: the oracle's own moves everywhere
+    assert abs(float(walk_first.outcome("X", True)["win"]) - float(first)) < 1e-12
+    assert abs(rates["random"]["win"] - 0.956) < 0.001
+    assert rates["random"]["loss"] == 0.0 and rates["random"]["unfinished"] == 0.0
+    assert rates["optimal"] == {"win": 0.0, "draw": 1.0, "loss": 0.0, "unfinished": 0.0}
+    # ~2,000 histories for a player that always moves legally, each asked once.
+    assert 1000 < rates["questions"] < 3000
+
+
+def test_a_player_stuck_on_an_occupied_cell_leaves_every_game_unfinished():
+    moves, asked = asyncio.run(ask_moves(ConstantPolicy(), max_turns=6, max_tokens=64))
+    rates = asyncio.run(exact_rates(ConstantPolicy()))
+    assert rates["random"]["unfinished"] == 1.0 and rates["optimal"]["unfinished"] == 1.0
+    # It plays 4 where it is empty, then asks again on the same board until its 6 turns are
+    # spent: every history ends without a valid move.
+    assert set(moves.values()) <= {4, None} and None in moves.values()
+    assert asked == rates["questions"]
+    starts = [key for key in moves if key[2] == ()]
+    assert {(mark, first) for mark, first, _ in starts} == {s for s in SEATINGS if s[1]}
