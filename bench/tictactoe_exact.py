@@ -74,8 +74,9 @@ def read_moves(paths: list[str]) -> tuple[dict, dict, int]:
     return by_history, by_board, games
 
 
-def asked_moves(args) -> tuple[dict, int]:
-    """`--model`'s moves at every reachable history, in `read_moves`' shape."""
+def asked_moves(args) -> tuple[dict, dict, int]:
+    """`--model`'s moves at every reachable history, in `read_moves`' shape, its invalid
+    replies by history and the questions asked."""
     from rlcore.policy import load_policy
 
     policy = load_policy(args.model, device=args.device, concurrency=args.concurrency)
@@ -86,8 +87,8 @@ def asked_moves(args) -> tuple[dict, int]:
         finally:
             await policy.aclose()
 
-    moves, asked = asyncio.run(ask())
-    return {key: Counter({cell: 1}) for key, cell in moves.items()}, asked
+    moves, invalid, asked = asyncio.run(ask())
+    return {key: Counter({cell: 1}) for key, cell in moves.items()}, invalid, asked
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -105,12 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("give either --model or result files")
 
     if args.model:
-        by_history, asked = asked_moves(args)
+        by_history, invalid, asked = asked_moves(args)
         by_board, games = {}, 0
     else:
         by_history, by_board, games = read_moves(args.results)
-        asked = 0
-    walk = Walk(by_history, by_board)
+        invalid, asked = {}, 0
+    walk = Walk(by_history, by_board, "random", invalid)
     rows, overall = [], Counter()
     for mark, starts in SEATINGS:
         rates = walk.outcome(mark, starts)
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     against_optimal = None
     if args.model:  # every history was asked, so the perfect opponent's tree is known too
-        optimal = Walk(by_history, {}, "optimal")
+        optimal = Walk(by_history, {}, "optimal", invalid)
         against_optimal = Counter()
         for mark, starts in SEATINGS:
             for key, value in optimal.outcome(mark, starts).items():

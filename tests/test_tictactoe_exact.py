@@ -17,18 +17,24 @@ def test_the_oracle_wins_its_known_share_and_never_loses():
     assert abs(float(walk_first.outcome("X", True)["win"]) - float(first)) < 1e-12
     assert abs(rates["random"]["win"] - 0.956) < 0.001
     assert rates["random"]["loss"] == 0.0 and rates["random"]["unfinished"] == 0.0
-    assert rates["optimal"] == {"win": 0.0, "draw": 1.0, "loss": 0.0, "unfinished": 0.0}
+    assert rates["optimal"] == {
+        "win": 0.0, "draw": 1.0, "loss": 0.0, "unfinished": 0.0, "invalid_move_rate": 0.0
+    }  # fmt: skip
     # ~2,000 histories for a player that always moves legally, each asked once.
     assert 1000 < rates["questions"] < 3000
 
 
 def test_a_player_stuck_on_an_occupied_cell_leaves_every_game_unfinished():
-    moves, asked = asyncio.run(ask_moves(ConstantPolicy(), max_turns=6, max_tokens=64))
+    moves, invalid, asked = asyncio.run(ask_moves(ConstantPolicy(), max_turns=6, max_tokens=64))
     rates = asyncio.run(exact_rates(ConstantPolicy()))
     assert rates["random"]["unfinished"] == 1.0 and rates["optimal"]["unfinished"] == 1.0
     # It plays 4 where it is empty, then asks again on the same board until its 6 turns are
     # spent: every history ends without a valid move.
     assert set(moves.values()) <= {4, None} and None in moves.values()
     assert asked == rates["questions"]
+    # Its replies after the first are all invalid: 5 of 6 where it moved first (4 empty),
+    # 6 of 6 where the opponent had taken 4 first.
+    assert sum(invalid.values()) > 0
+    assert 5 / 6 - 1e-9 <= rates["random"]["invalid_move_rate"] <= 1.0
     starts = [key for key in moves if key[2] == ()]
     assert {(mark, first) for mark, first, _ in starts} == {s for s in SEATINGS if s[1]}

@@ -298,6 +298,12 @@ class Environment(ABC):
         default: the env as the run configured it, scored by its mean reward."""
         return [Validation("reward", {}, {"reward/mean": 1.0})]
 
+    async def exact_validation(self, policy, max_tokens: int) -> dict[str, dict] | None:
+        """What `validation`'s sets would measure of a greedy `policy`, computed exactly
+        instead of sampled from games (by set name, in `summary_metrics` names), for an env
+        that can (tic-tac-toe walks its whole game tree); None: play the games."""
+        return None
+
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:
         """Labels to split summaries by (e.g. {"starter": "model"}); outcome rates are
         reported per value of each label."""

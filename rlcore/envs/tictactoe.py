@@ -625,6 +625,21 @@ class TicTacToeEnv(MultiTurnEnv):
             ),
         ]
 
+    async def exact_validation(self, policy, max_tokens: int) -> dict[str, dict]:
+        """`validation`'s two sets exactly (rlcore/envs/tictactoe_exact.py): the player asked
+        at every history a full game can reach, in this env's turns, and the random
+        opponent's and the perfect one's trees walked; no games sampled."""
+        from rlcore.envs.tictactoe_exact import OUTCOMES, exact_rates
+
+        rates = await exact_rates(policy, self.config["max_turns"], max_tokens)
+        return {
+            name: {
+                **{f"outcome/{outcome}": rates[name][outcome] for outcome in OUTCOMES},
+                "tictactoe/invalid_move_rate": rates[name]["invalid_move_rate"],
+            }
+            for name in ("random", "optimal")
+        }
+
     def move_options(self, rollout: Rollout, turn: int, reply: str) -> MoveOptions | None:
         """For a legal move the solver judged: the reply up to its last `<move>` tag, the
         cell played, and the board's other empty cells, each judged 1.0 if it keeps the

@@ -54,12 +54,13 @@ def _view(mark: str, starts: bool, history: tuple[int, ...]) -> dict:
     return {"seed": 0, "board": list(board_of(history, first)), "model_mark": mark}
 
 
-async def ask_moves(policy, max_turns: int, max_tokens: int) -> tuple[dict, int]:
+async def ask_moves(policy, max_turns: int, max_tokens: int) -> tuple[dict, dict, int]:
     """The player's greedy move at every history a game can reach, asked as the env asks
     (`TicTacToeEnv.env_response`): by (mark, starts, history), None where it gave no valid
-    move in the turns left. Returns them and the number of questions asked."""
+    move in the turns left; the invalid replies it gave at each history before its move (or
+    before its turns ran out); and the number of questions asked."""
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    level = []  # (mark, starts, history, messages, turns used)
+    level = []  # (mark, starts, history, messages, turns used, invalid replies at history)
     for mark, starts in SEATINGS:
         system = {"role": "system", "content": system_prompt(mark)}
         openings = [()] if starts else [(cell,) for cell in range(9)]
@@ -67,8 +68,9 @@ async def ask_moves(policy, max_turns: int, max_tokens: int) -> tuple[dict, int]
             board = board_of(history, mark if starts else other_mark(mark))
             opponent = history[-1] if history else None
             user = {"role": "user", "content": board_message(board, opponent_cell=opponent)}
-            level.append((mark, starts, history, [system, user], 0))
+            level.append((mark, starts, history, [system, user], 0, 0))
     moves: dict[tuple, int | None] = {}
+    invalid: dict[tuple, int] = {}
     asked = 0
     while level:
         replies = await asyncio.gather(
@@ -76,20 +78,21 @@ async def ask_moves(policy, max_turns: int, max_tokens: int) -> tuple[dict, int]
         )
         asked += len(level)
         following = []
-        for (mark, starts, history, messages, turns), reply in zip(level, replies, strict=True):
-            first = mark if starts else other_mark(mark)
-            board = list(board_of(history, first))
+        for node, reply in zip(level, replies, strict=True):
+            mark, starts, history, messages, turns, wrong = node
+            key = (mark, starts, history)
+            board = list(board_of(history, mark if starts else other_mark(mark)))
             messages = [*messages, {"role": "assistant", "content": reply.text}]
             turns += 1
             cell, error = parse_move(reply.text, board)
             if error is not None:
                 if turns >= max_turns:
-                    moves[(mark, starts, history)] = None
+                    moves[key], invalid[key] = None, wrong + 1
                     continue
                 retry = {"role": "user", "content": board_message(board, error=error)}
-                following.append((mark, starts, history, [*messages, retry], turns))
+                following.append((*key, [*messages, retry], turns, wrong + 1))
                 continue
-            moves[(mark, starts, history)] = cell
+            moves[key], invalid[key] = cell, wrong
             board[cell] = mark
             if game_over(board):
                 continue
@@ -104,28 +107,34 @@ async def ask_moves(policy, max_turns: int, max_tokens: int) -> tuple[dict, int]
                 content = board_message(after, opponent_cell=answer, result=result_for(after, mark))
                 following.append(
                     (mark, starts, history + (cell, answer),
-                     [*messages, {"role": "user", "content": content}], turns)
+                     [*messages, {"role": "user", "content": content}], turns, 0)
                 )  # fmt: skip
         level = following
-    return moves, asked
+    return moves, invalid, asked
 
 
 class Walk:
     """The game tree of one model's recorded moves; rates and win chance given up."""
 
-    def __init__(self, by_history: dict, by_board: dict, opponent: str = "random"):
+    def __init__(self, by_history: dict, by_board: dict, opponent: str = "random", invalid=None):
         self.by_history, self.by_board = by_history, by_board
         self.opponent = opponent  # "random": every empty cell; "optimal": its best moves
+        self.invalid = invalid or {}  # invalid replies at a history before its move
         self.uncovered: Counter = Counter()
         self.given_up: list[dict] = []
 
-    def outcome(self, mark: str, starts: bool, history=(), reach=Fraction(1)) -> Counter:
+    def outcome(
+        self, mark: str, starts: bool, history=(), reach=Fraction(1), wrong=0, replies=0
+    ) -> Counter:
+        """The chance of each outcome from `history` on, and the expected invalid-move rate
+        of the game (`invalid_move_rate`: the env's invalid replies over replies), given
+        the `wrong` invalid replies of the `replies` made on the way."""
         first = mark if starts else other_mark(mark)
         board = board_of(history, first)
         won_by = winner(board)
         if won_by is not None or "." not in board:
             result = "draw" if won_by is None else "win" if won_by == mark else "loss"
-            return Counter({result: Fraction(1)})
+            return Counter({result: Fraction(1), "invalid_move_rate": _rate(wrong, replies)})
         if (first if len(history) % 2 == 0 else other_mark(first)) != mark:
             if self.opponent == "random":
                 cells = empty_cells(board)
@@ -134,15 +143,19 @@ class Walk:
             total: Counter = Counter()
             for cell in cells:
                 for key, value in self.outcome(
-                    mark, starts, history + (cell,), reach / len(cells)
+                    mark, starts, history + (cell,), reach / len(cells), wrong, replies
                 ).items():
                     total[key] += value / len(cells)
             return total
         seen = self.by_history.get((mark, starts, history)) or self.by_board.get((mark, board))
         if seen:
             cell = seen.most_common(1)[0][0]
+            mistakes = self.invalid.get((mark, starts, history), 0)
+            wrong, replies = wrong + mistakes, replies + mistakes
             if cell is None:  # no valid move in the turns it had
-                return Counter({"unfinished": Fraction(1)})
+                return Counter(
+                    {"unfinished": Fraction(1), "invalid_move_rate": _rate(wrong, replies)}
+                )
             best = max(win_chance_after(board, c, mark) for c in minimax_best_moves(board, mark))
             gap = best - win_chance_after(board, cell, mark)
             if gap > 0:
@@ -162,19 +175,24 @@ class Walk:
         else:
             self.uncovered[(mark, starts)] += reach
             cell = oracle_best_moves(board, mark)[0]
-        return self.outcome(mark, starts, history + (cell,), reach)
+        return self.outcome(mark, starts, history + (cell,), reach, wrong, replies + 1)
+
+
+def _rate(wrong: int, replies: int) -> Fraction:
+    return Fraction(wrong, replies) if replies else Fraction(0)
 
 
 async def exact_rates(policy, max_turns: int = 6, max_tokens: int = 64) -> dict:
     """`policy`'s exact rates against the random and the perfect opponent, each a dict of
-    `OUTCOMES` (the mean over the four seatings), and the questions asked."""
-    moves, asked = await ask_moves(policy, max_turns, max_tokens)
+    `OUTCOMES` and `invalid_move_rate` (the mean over the four seatings), and the questions
+    asked."""
+    moves, invalid, asked = await ask_moves(policy, max_turns, max_tokens)
     by_history = {key: Counter({cell: 1}) for key, cell in moves.items()}
     rates = {"questions": asked}
     for opponent in ("random", "optimal"):
-        walk, total = Walk(by_history, {}, opponent), Counter()
+        walk, total = Walk(by_history, {}, opponent, invalid), Counter()
         for mark, starts in SEATINGS:
             for key, value in walk.outcome(mark, starts).items():
                 total[key] += float(value) / len(SEATINGS)
-        rates[opponent] = {key: total[key] for key in OUTCOMES}
+        rates[opponent] = {key: total[key] for key in (*OUTCOMES, "invalid_move_rate")}
     return rates
