@@ -1,0 +1,103 @@
+"""The choice among a run's saves by validation games against the choice by their exact game
+trees (`select.exact`), on the same saves: which save each rule picks and how far apart
+their scores stand.
+
+    python bench/select_compare.py RUN/rl [--games 500] [--seed 20000] [--device cpu]
+        [--out PATH]
+
+RUN/rl is a tic-tac-toe RL run's output directory whose `select.json` was written with
+`select.exact` (`bench/tictactoe_mastery.py --rl-select-exact`): every candidate's exact
+score is read from it. Each candidate then plays the env's validation games (`--games` per
+set, greedy, on the validation seed, as `select.exact = false` plays them) and gets the
+games' score by the same rule. Prints both scores per save and each rule's pick with its
+exact score: the true score the games' noise gives up, where the picks differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlcore.envs import load_environment  # noqa: E402
+from rlcore.evaluate import EvalConfig, run_eval, summary_metrics  # noqa: E402
+from rlcore.train.select import score  # noqa: E402
+
+KEPT = ("outcome/win", "outcome/draw", "outcome/loss", "tictactoe/invalid_move_rate")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="the RL run's output directory (select.json, config.json)")
+    parser.add_argument("--games", type=int, default=500, help="validation games per set")
+    parser.add_argument("--seed", type=int, default=20_000, help="the validation games' seed")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None, help="JSON path (default: none written)")
+    args = parser.parse_args(argv)
+    run = Path(args.run)
+    record = json.loads((run / "select.json").read_text())
+    if not record.get("exact"):
+        parser.error(f"{run / 'select.json'} was not written with select.exact")
+    cfg = json.loads((run / "config.json").read_text())
+    env = load_environment(cfg["env"], **cfg["env_args"])
+    validation = env.validation()
+    rows = {}
+    for name, candidate in record["candidates"].items():
+        summaries = {}
+        for part in validation:
+            result = run_eval(
+                EvalConfig(
+                    env=cfg["env"],
+                    model=str(run / name),
+                    env_args={**cfg["env_args"], **part.env_args},
+                    num_examples=args.games,
+                    max_tokens=cfg["sampling"]["max_tokens"],
+                    temperature=0.0,
+                    concurrency=256,
+                    seed=args.seed,
+                    device=args.device,
+                )
+            )
+            summaries[part.name] = summary_metrics(result.summary)
+        rows[name] = {
+            "step": candidate["step"],
+            "exact": candidate["score"],
+            "games": score(summaries, validation),
+            "exact_metrics": candidate["metrics"],
+            "games_metrics": {
+                part: {key: value for key, value in metrics.items() if key in KEPT}
+                for part, metrics in summaries.items()
+            },
+        }
+    by_exact = max(rows, key=lambda name: (rows[name]["exact"], rows[name]["step"]))
+    by_games = max(rows, key=lambda name: (rows[name]["games"], rows[name]["step"]))
+    print(f"{'save':<14} {'step':>6} {'exact':>8} {'games':>8} {'games - exact':>14}")
+    for name, row in rows.items():
+        gap = row["games"] - row["exact"]
+        print(f"{name:<14} {row['step']:>6} {row['exact']:>8.4f} {row['games']:>8.4f} {gap:>14.4f}")
+    given_up = rows[by_exact]["exact"] - rows[by_games]["exact"]
+    print(
+        f"exact picks {by_exact} ({rows[by_exact]['exact']:.4f}); games pick {by_games} "
+        f"(exact {rows[by_games]['exact']:.4f}): {given_up:.4f} of true score given up"
+    )
+    results = {
+        "command": "python bench/select_compare.py " + " ".join(argv or sys.argv[1:]),
+        "run": str(run),
+        "games": args.games,
+        "seed": args.seed,
+        "candidates": rows,
+        "by_exact": by_exact,
+        "by_games": by_games,
+        "given_up": given_up,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
