@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchlib import write_results  # noqa: E402
+
 from rlcore.envs import load_environment  # noqa: E402
 from rlcore.evaluate import EvalConfig, run_eval, summary_metrics  # noqa: E402
 from rlcore.train.select import score  # noqa: E402
@@ -94,8 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         "given_up": given_up,
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_results(results, args.out, "")
     return results
 
 

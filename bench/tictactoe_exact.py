@@ -42,6 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchlib import write_results  # noqa: E402
+
 from rlcore.envs.tictactoe_exact import (  # noqa: E402
     OUTCOMES,
     SEATINGS,
@@ -188,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "costliest": [{**item, "cost": float(item["cost"] * share)} for item in costly],
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_results(record, args.out, "")
     return record
 
 
