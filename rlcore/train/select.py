@@ -90,6 +90,24 @@ def score(summaries: dict[str, dict], validation) -> float:
     )
 
 
+def game_summary(path: Path, part, cfg) -> dict[str, float]:
+    """The save at `path` on one validation set's games (greedy, on the select seed)."""
+    result = run_eval(
+        EvalConfig(
+            env=cfg.env,
+            model=str(path),
+            env_args={**cfg.env_args, **part.env_args},
+            num_examples=cfg.select.num_examples,
+            max_tokens=cfg.sampling.max_tokens,
+            temperature=0.0,
+            concurrency=cfg.sampling.concurrency,
+            seed=cfg.select.seed,
+            device=cfg.device,
+        )
+    )
+    return summary_metrics(result.summary)
+
+
 def exact_summaries(env: Environment, path: Path, cfg) -> dict[str, dict]:
     """The save at `path` scored by the env's exact validation (greedy, the run's reply
     length and device)."""
@@ -143,22 +161,10 @@ def choose_save(cfg, sink: EventSink | None = None) -> tuple[str, dict]:
         if sink.should_stop():
             sink.log(f"select: stopped after {done} of {len(candidates)} saves", "warning")
             break
-        summaries = exact_summaries(env, path, cfg) if exact else {}
-        for part in validation if not exact else []:
-            result = run_eval(
-                EvalConfig(
-                    env=cfg.env,
-                    model=str(path),
-                    env_args={**cfg.env_args, **part.env_args},
-                    num_examples=cfg.select.num_examples,
-                    max_tokens=cfg.sampling.max_tokens,
-                    temperature=0.0,
-                    concurrency=cfg.sampling.concurrency,
-                    seed=cfg.select.seed,
-                    device=cfg.device,
-                )
-            )
-            summaries[part.name] = summary_metrics(result.summary)
+        if exact:
+            summaries = exact_summaries(env, path, cfg)
+        else:
+            summaries = {part.name: game_summary(path, part, cfg) for part in validation}
         value = score(summaries, validation)
         record[path.name] = {"step": step, "score": round(value, 6), "metrics": summaries}
         sink.metric(step, {"select/score": value})
