@@ -1,21 +1,23 @@
-"""The choice among a run's saves by validation games against the choice by their exact game
-trees (`select.exact`), on the same saves: which save each rule picks and how far apart
+"""The choice among a run's saves by validation games (RL's `select`) against a choice by
+their exact validation, on the same saves: which save each rule picks and how far apart
 their scores stand.
 
     python bench/select_compare.py RUN/rl [--games 500] [--seed 20000] [--device cpu]
         [--out PATH]
 
-RUN/rl is a tic-tac-toe RL run's output directory whose `select.json` was written with
-`select.exact` (`bench/tictactoe_mastery.py --rl-select-exact`): every candidate's exact
-score is read from it. Each candidate then plays the env's validation games (`--games` per
-set, greedy, on the validation seed, as `select.exact = false` plays them) and gets the
-games' score by the same rule. Prints both scores per save and each rule's pick with its
-exact score: the true score the games' noise gives up, where the picks differ.
+RUN/rl is a tic-tac-toe RL run's output directory with a `select.json` (a run with
+`select.keep` > 1; its candidate saves still there). Each candidate is scored by the choice
+rule twice: on the env's validation games (`--games` per set, greedy, on the validation
+seed, as `select` plays them) and exactly (`Environment.exact_validation`: the player asked
+at every history a full game reaches, the random and the perfect opponent's trees walked;
+rlcore/envs/tictactoe_exact.py). Prints both scores per save and each rule's pick with its
+exact score: the true score the games' noise gives up where the picks differ.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -26,9 +28,23 @@ from benchlib import write_results  # noqa: E402
 
 from rlcore.envs import load_environment  # noqa: E402
 from rlcore.evaluate import EvalConfig, run_eval, summary_metrics  # noqa: E402
+from rlcore.policy import load_policy  # noqa: E402
 from rlcore.train.select import score  # noqa: E402
 
 KEPT = ("outcome/win", "outcome/draw", "outcome/loss", "tictactoe/invalid_move_rate")
+
+
+def exact_summaries(env, path: Path, cfg: dict, device: str) -> dict[str, dict]:
+    """The save at `path` by the env's exact validation."""
+    policy = load_policy(str(path), env=env, device=device, concurrency=256)
+
+    async def walk() -> dict[str, dict]:
+        try:
+            return await env.exact_validation(policy, cfg["sampling"]["max_tokens"])
+        finally:
+            await policy.aclose()
+
+    return asyncio.run(walk())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -41,8 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     run = Path(args.run)
     record = json.loads((run / "select.json").read_text())
-    if not record.get("exact"):
-        parser.error(f"{run / 'select.json'} was not written with select.exact")
+    if not record.get("candidates"):
+        parser.error(f"{run / 'select.json'} has no candidates (a run with select.keep > 1)")
     cfg = json.loads((run / "config.json").read_text())
     env = load_environment(cfg["env"], **cfg["env_args"])
     validation = env.validation()
@@ -64,11 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             )
             summaries[part.name] = summary_metrics(result.summary)
+        exact = exact_summaries(env, run / name, cfg, args.device)
         rows[name] = {
             "step": candidate["step"],
-            "exact": candidate["score"],
+            "exact": score(exact, validation),
             "games": score(summaries, validation),
-            "exact_metrics": candidate["metrics"],
+            "exact_metrics": exact,
             "games_metrics": {
                 part: {key: value for key, value in metrics.items() if key in KEPT}
                 for part, metrics in summaries.items()

@@ -16,9 +16,7 @@ run's last K saves (one every `--rl-select-every` steps) by the trainer's own ch
 opponent (their own seed, apart from the training streams and the held-out evaluation's)
 and the best by the choice rule (`choice_score`, the env's validation weights) is the RL
 stage. `--rl-select-average A` adds one candidate: the weights averaged over the last A
-saves (`select.average`). `--rl-select-exact` scores every candidate by its exact game trees
-instead of validation games (`select.exact`: the player asked at every reachable history,
-no sampling noise between candidates).
+saves (`select.average`).
 The first save's validation is timed as it is made, and RL stops K such times before the
 budget's end, so the choice is paid for out of the same wall time. The last step's save is evaluated
 too, as the stage `rl_last`: what the choice gained, on the same held-out games.
@@ -43,7 +41,6 @@ included.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -60,7 +57,6 @@ from rlcore.envs import load_environment  # noqa: E402
 from rlcore.envs.tictactoe_game import REASONING_FORMATS  # noqa: E402
 from rlcore.evaluate import EvalConfig, run_eval  # noqa: E402
 from rlcore.events import ConsoleSink  # noqa: E402
-from rlcore.policy import load_policy  # noqa: E402
 from rlcore.policy.tiny import ensure_tiny_model  # noqa: E402
 from rlcore.train.config import RLConfig, SFTConfig, SynthConfig, build_config  # noqa: E402
 from rlcore.train.distributed import run_rl_ranks  # noqa: E402
@@ -373,11 +369,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rl-select-games", type=int, default=500, help="validation games per opponent"
     )
-    parser.add_argument(
-        "--rl-select-exact",
-        action="store_true",
-        help="with --rl-select, score the saves by their exact game trees (select.exact)",
-    )
     parser.add_argument("--rl-max-steps", type=int, default=10_000)
     parser.add_argument(
         "--rl-processes",
@@ -525,7 +516,6 @@ def main(argv: list[str] | None = None) -> int:
             "num_examples": args.rl_select_games,
             "seed": VALIDATION_SEED,
             "average": args.rl_select_average,
-            "exact": args.rl_select_exact,
         },
         device=args.device,
         processes=args.rl_processes,
@@ -623,19 +613,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def validate(model: str, args, label: str) -> dict:
-    """`model`'s rows on the validation games (`--rl-select-games` per opponent), or with
-    `--rl-select-exact` its exact validation: what the choice will run for each save."""
-    if args.rl_select_exact:
-        env = load_environment("tictactoe", max_turns=args.max_turns, reasoning=args.reasoning)
-        policy = load_policy(model, env=env, device=args.device, concurrency=256)
-
-        async def walk() -> dict:
-            try:
-                return await env.exact_validation(policy, args.max_tokens)
-            finally:
-                await policy.aclose()
-
-        return asyncio.run(walk())
+    """`model`'s rows on the validation games (`--rl-select-games` per opponent)."""
     return evaluate(model, args.rl_select_games, args, f"select-{label}", seed=VALIDATION_SEED)
 
 

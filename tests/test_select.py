@@ -1,9 +1,7 @@
 """Which save is an RL run's result (`RLConfig.select`, rlcore/train/select.py): the best of
 the last saves on the env's validation games, on the real tiny model and trainer."""
 
-import asyncio
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ from safetensors.torch import load_file, save_file
 from rlcore.envs import load_environment
 from rlcore.evaluate import EvalConfig, run_eval, summary_metrics
 from rlcore.events import RecordingSink
-from rlcore.policy import load_policy
 from rlcore.train.common import TRAINER_STATE
 from rlcore.train.config import ConfigError, RLConfig, build_config
 from rlcore.train.grpo import run_rl
@@ -179,32 +176,3 @@ def test_tictactoe_validates_on_full_games_against_the_random_and_the_perfect_op
     }
     rule = 0.9 + 0.8 - 2 * 0.05 - 2 * (0.02 + 0.04) / 2
     assert score(summaries, env.validation()) == pytest.approx(rule)
-
-
-def test_tictactoe_saves_can_be_scored_by_their_exact_game_trees(tiny_model, tmp_path):
-    # Two saves of a tic-tac-toe run (the untrained model, 2 turns a game: a small tree).
-    cfg = select_config(
-        tiny_model, tmp_path, env="tictactoe", env_args={"max_turns": 2}, max_steps=2,
-        select={"keep": 2, "exact": True},
-    )  # fmt: skip
-    for name in ("step_000001", "final"):
-        shutil.copytree(tiny_model, Path(cfg.output_dir) / name)
-        (Path(cfg.output_dir) / name / TRAINER_STATE).write_bytes(b"")
-    sink = RecordingSink()
-    _, record = choose_save(cfg, sink)
-    assert record["exact"] is True
-    assert list(record["candidates"]) == ["step_000001", "final"]
-    assert any("the exact game trees of random, optimal" in m for _, m in sink.logs)
-    # The score is the choice rule over the env's exact validation of that save.
-    env = load_environment("tictactoe", max_turns=2)
-    policy = load_policy(str(Path(cfg.output_dir) / "final"), env=env, device="cpu")
-    exact = asyncio.run(env.exact_validation(policy, cfg.sampling.max_tokens))
-    asyncio.run(policy.aclose())
-    assert record["candidates"]["final"]["metrics"] == exact
-    assert record["candidates"]["final"]["score"] == pytest.approx(
-        score(exact, env.validation()), abs=1e-6
-    )
-    for part in exact.values():  # every game ends one way or another, rates are rates
-        total = sum(part[f"outcome/{o}"] for o in ("win", "draw", "loss", "unfinished"))
-        assert total == pytest.approx(1.0)
-        assert 0.0 <= part["tictactoe/invalid_move_rate"] <= 1.0

@@ -3,10 +3,12 @@ oracle's known result, and a player stuck on an invalid move."""
 
 import asyncio
 
+from rlcore.envs import load_environment
 from rlcore.envs.tictactoe_exact import SEATINGS, Walk, ask_moves, exact_rates
 from rlcore.envs.tictactoe_game import win_chance_after
 from rlcore.envs.tictactoe_players import OraclePolicy
 from rlcore.policy.base import ConstantPolicy
+from rlcore.train.select import score
 
 
 def test_the_oracle_wins_its_known_share_and_never_loses():
@@ -38,3 +40,16 @@ def test_a_player_stuck_on_an_occupied_cell_leaves_every_game_unfinished():
     assert 5 / 6 - 1e-9 <= rates["random"]["invalid_move_rate"] <= 1.0
     starts = [key for key in moves if key[2] == ()]
     assert {(mark, first) for mark, first, _ in starts} == {s for s in SEATINGS if s[1]}
+
+
+def test_the_env_gives_its_validation_sets_exactly_in_their_metric_names():
+    env = load_environment("tictactoe", max_turns=6)
+    exact = asyncio.run(env.exact_validation(OraclePolicy(), max_tokens=64))
+    validation = env.validation()
+    assert set(exact) == {part.name for part in validation}
+    for part in validation:  # every metric the choice rule weighs is there
+        assert set(part.weights) <= set(exact[part.name])
+    # The choice rule on the oracle: every game drawn against the perfect player, its
+    # known share won against random, nothing lost, no invalid move.
+    assert abs(score(exact, validation) - (1.0 + exact["random"]["outcome/win"])) < 1e-12
+    assert abs(exact["random"]["outcome/win"] - 0.956) < 0.001

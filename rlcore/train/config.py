@@ -205,12 +205,6 @@ class SelectConfig:
     """with `keep` > 1, one more candidate: the weights averaged (uniformly) over the run's
     last this many saves, played like the others (`average/` beside the saves); 0 or 1:
     none"""
-    exact: bool = False
-    """score each candidate by what the env's validation games would measure, computed
-    exactly where the env can (Environment.exact_validation; tic-tac-toe asks the player at
-    every history a full game reaches, ~2,000 questions a save, and walks the random and the
-    perfect opponent's trees): no sampling noise between candidates. Other envs play the
-    `num_examples` games"""
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,16 +17,10 @@ the average of the last 21 saves on two of three, and there it beat the top-rank
 held-out score by 0.10 (docs/mastery.md, thirty-sixth session): the average smooths the
 save-to-save swing that the choice otherwise samples.
 
-With `select.exact` an env that can compute what its validation games measure
-(`Environment.exact_validation`) scores each candidate that way instead: tic-tac-toe asks
-the player at every history a full game reaches and walks the random and the perfect
-opponent's trees (rlcore/envs/tictactoe_exact.py), so candidates are compared without the
-+-0.03-0.04 of noise that 500 games a set leave in the choice rule's score.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -35,10 +29,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlcore.envs import load_environment
-from rlcore.envs.base import Environment
 from rlcore.evaluate import EvalConfig, run_eval, summary_metrics
 from rlcore.events import EventSink, NullSink
-from rlcore.policy import load_policy
 from rlcore.train.common import TRAINER_STATE
 
 BEST = "best"
@@ -108,22 +100,6 @@ def game_summary(path: Path, part, cfg) -> dict[str, float]:
     return summary_metrics(result.summary)
 
 
-def exact_summaries(env: Environment, path: Path, cfg) -> dict[str, dict]:
-    """The save at `path` scored by the env's exact validation (greedy, the run's reply
-    length and device)."""
-    policy = load_policy(
-        str(path), env=env, device=cfg.device, concurrency=cfg.sampling.concurrency
-    )
-
-    async def walk() -> dict[str, dict]:
-        try:
-            return await env.exact_validation(policy, cfg.sampling.max_tokens)
-        finally:
-            await policy.aclose()
-
-    return asyncio.run(walk())
-
-
 def choose_save(cfg, sink: EventSink | None = None) -> tuple[str, dict]:
     """The best of the run's last `cfg.select.keep` saves by the env's validation games,
     copied to `best/` (the later save on a tie), and the record written to `select.json`.
@@ -140,19 +116,14 @@ def choose_save(cfg, sink: EventSink | None = None) -> tuple[str, dict]:
             raise ValueError(f"select.average: a save in {output_dir} has no {WEIGHTS}")
         candidates = [*singles, (saves[-1][0], average_saves(averaged, output_dir / AVERAGE))]
         sink.log(f"select: {AVERAGE}/ averages the last {len(averaged)} saves")
-    env = load_environment(cfg.env, **cfg.env_args)
-    validation = env.validation()
-    exact = cfg.select.exact and type(env).exact_validation is not Environment.exact_validation
-    if cfg.select.exact and not exact:
-        sink.log(f"select: {env.name} has no exact validation; its games are played", "warning")
+    validation = load_environment(cfg.env, **cfg.env_args).validation()
     if len(candidates) > 1:
         sink.log(
             f"select: {len(singles)} saves (steps {singles[0][0]}..{singles[-1][0]})"
             + (f" and {AVERAGE}/" if len(candidates) > len(singles) else "")
-            + (" x the exact game trees of " if exact else
-               f" x {cfg.select.num_examples} greedy games of ")
+            + f" x {cfg.select.num_examples} greedy games of "
             + ", ".join(part.name for part in validation)
-        )  # fmt: skip
+        )
     else:  # a run shorter than save_every: nothing to choose between
         candidates, (step, only) = [], candidates[0]
         sink.log(f"select: one save ({only.name}), taken without games")
@@ -161,10 +132,7 @@ def choose_save(cfg, sink: EventSink | None = None) -> tuple[str, dict]:
         if sink.should_stop():
             sink.log(f"select: stopped after {done} of {len(candidates)} saves", "warning")
             break
-        if exact:
-            summaries = exact_summaries(env, path, cfg)
-        else:
-            summaries = {part.name: game_summary(path, part, cfg) for part in validation}
+        summaries = {part.name: game_summary(path, part, cfg) for part in validation}
         value = score(summaries, validation)
         record[path.name] = {"step": step, "score": round(value, 6), "metrics": summaries}
         sink.metric(step, {"select/score": value})
@@ -183,7 +151,6 @@ def choose_save(cfg, sink: EventSink | None = None) -> tuple[str, dict]:
         "step": step,
         "num_examples": cfg.select.num_examples,
         "seed": cfg.select.seed,
-        "exact": exact,
         "validation": [
             {"name": p.name, "env_args": p.env_args, "weights": p.weights} for p in validation
         ],
