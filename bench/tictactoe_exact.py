@@ -53,8 +53,6 @@ from rlcore.envs.tictactoe_exact import (  # noqa: E402
 )
 from rlcore.envs.tictactoe_game import other_mark  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def read_moves(paths: list[str]) -> tuple[dict, dict, int]:
     """The model's recorded moves: by seating and history, and by mark and board."""
