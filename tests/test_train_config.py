@@ -261,6 +261,7 @@ def test_a_config_stored_before_the_sections_still_loads():
     keys and the removed options at their "off" values: they load as they ran."""
     old = {"lr": 3e-4, "temperature": 0.7, "loss_type": "cispo", "beta": 0.1,
            "entropy_coef": 0.0, "decision_samples": 0, "kl_scope": "all",
+           "turn_reward_agreed_credit": True,
            "curriculum_order": [], "max_steps": 5}  # fmt: skip
     cfg = build_config(RLConfig, [("old job", old)])
     assert (cfg.optimizer.lr, cfg.sampling.temperature, cfg.loss.type, cfg.loss.beta) == (
@@ -272,6 +273,12 @@ def test_a_config_stored_before_the_sections_still_loads():
     with pytest.raises(ConfigError) as caught:
         build_config(RLConfig, [("old job", old | {"decision_samples": 16})])
     assert list(caught.value.errors) == ["decision_samples"]
+    # A section's removed setting too (select.exact, thirty-eighth session).
+    cfg = build_config(RLConfig, [("old job", old | {"select": {"keep": 0, "exact": False}})])
+    assert cfg.select.keep == 0
+    with pytest.raises(ConfigError) as caught:
+        build_config(RLConfig, [("old job", old | {"select": {"exact": True}})])
+    assert list(caught.value.errors) == ["select.exact"]
 
 
 def test_layers_merge_sections_key_by_key_and_leave_the_callers_dicts_alone():

@@ -91,7 +91,7 @@ ABOVE_LOW = {"lr", "top_p", "adam_eps"}
 
 # Settings that were removed after they lost their comparisons (docs/mastery.md has the
 # record), with the value that meant "off": configs stored before carry them at that value
-# and still load; any other value is an error that says so.
+# and still load; any other value is an error that says so. A section's setting is dotted.
 REMOVED = {
     "negative_advantage_scale": 1.0,
     "unlikelihood_below": 0.0,
@@ -109,6 +109,8 @@ REMOVED = {
     "second_choice_replay": 0,
     "opponent_weight": 0.0,
     "second_choice_weight": 0.0,
+    "turn_reward_agreed_credit": True,
+    "select.exact": False,
 }
 # Settings that moved into a section under another name.
 RENAMED = {"loss_type": "loss.type", "loss_aggregation": "loss.aggregation"}
@@ -559,13 +561,14 @@ def build_config(cls: type[ConfigT], layers: list[tuple[str, dict]]) -> ConfigT:
     errors: dict[str, str] = {}
     for source, layer in layers:
         for key, value in layer.items():
-            if key in REMOVED:
-                if value != REMOVED[key]:
-                    errors[key] = (
-                        f"was removed after it lost its comparisons (docs/mastery.md); "
-                        f"got {value!r} (from {source})"
-                    )
+            if _removed(key, value, source, errors):
                 continue
+            if isinstance(value, dict):  # a section's removed settings, e.g. select.exact
+                value = {
+                    inner: setting
+                    for inner, setting in value.items()
+                    if not _removed(f"{key}.{inner}", setting, source, errors)
+                }
             _merge(values, sources, place_setting(cls, key), value, source)
     cfg = _construct(cls, values, sources, "", errors)
     if errors:
@@ -574,6 +577,19 @@ def build_config(cls: type[ConfigT], layers: list[tuple[str, dict]]) -> ConfigT:
         )
     check(cfg)
     return cfg
+
+
+def _removed(key: str, value: Any, source: str, errors: dict) -> bool:
+    """Whether `key` is a removed setting (REMOVED), noting an error where its value is not
+    the one that meant "off"."""
+    if key not in REMOVED:
+        return False
+    if value != REMOVED[key]:
+        errors[key] = (
+            f"was removed after it lost its comparisons (docs/mastery.md); "
+            f"got {value!r} (from {source})"
+        )
+    return True
 
 
 def _construct(cls: type, values: dict, sources: dict, prefix: str, errors: dict) -> Any:
