@@ -8,9 +8,9 @@ their scores stand.
 RUN/rl is a tic-tac-toe RL run's output directory with a `select.json` (a run with
 `select.keep` > 1; its candidate saves still there). Each candidate is scored by the choice
 rule twice: on the env's validation games (`--games` per set, greedy, on the validation
-seed, as `select` plays them) and exactly (`Environment.exact_validation`: the player asked
-at every history a full game reaches, the random and the perfect opponent's trees walked;
-rlcore/envs/tictactoe_exact.py). Prints both scores per save and each rule's pick with its
+seed, played by `select`'s own `game_summary`) and exactly (`Environment.exact_validation`:
+the player asked at every history a full game reaches, the random and the perfect
+opponent's trees walked; rlcore/envs/tictactoe_exact.py). Prints both scores per save and each rule's pick with its
 exact score: the true score the games' noise gives up where the picks differ.
 """
 
@@ -27,20 +27,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import write_results  # noqa: E402
 
 from rlcore.envs import load_environment  # noqa: E402
-from rlcore.evaluate import EvalConfig, run_eval, summary_metrics  # noqa: E402
 from rlcore.policy import load_policy  # noqa: E402
-from rlcore.train.select import score  # noqa: E402
+from rlcore.train.config import RLConfig, build_config  # noqa: E402
+from rlcore.train.select import game_summary, score  # noqa: E402
 
 KEPT = ("outcome/win", "outcome/draw", "outcome/loss", "tictactoe/invalid_move_rate")
 
 
-def exact_summaries(env, path: Path, cfg: dict, device: str) -> dict[str, dict]:
+def exact_summaries(env, path: Path, cfg: RLConfig) -> dict[str, dict]:
     """The save at `path` by the env's exact validation."""
-    policy = load_policy(str(path), env=env, device=device, concurrency=256)
+    policy = load_policy(
+        str(path), env=env, device=cfg.device, concurrency=cfg.sampling.concurrency
+    )
 
     async def walk() -> dict[str, dict]:
         try:
-            return await env.exact_validation(policy, cfg["sampling"]["max_tokens"])
+            return await env.exact_validation(policy, cfg.sampling.max_tokens)
         finally:
             await policy.aclose()
 
@@ -59,28 +61,15 @@ def main(argv: list[str] | None = None) -> dict:
     record = json.loads((run / "select.json").read_text())
     if not record.get("candidates"):
         parser.error(f"{run / 'select.json'} has no candidates (a run with select.keep > 1)")
-    cfg = json.loads((run / "config.json").read_text())
-    env = load_environment(cfg["env"], **cfg["env_args"])
+    saved = json.loads((run / "config.json").read_text())
+    games = {"select": {"num_examples": args.games, "seed": args.seed}, "device": args.device}
+    cfg = build_config(RLConfig, [(str(run / "config.json"), saved), ("select_compare", games)])
+    env = load_environment(cfg.env, **cfg.env_args)
     validation = env.validation()
     rows = {}
     for name, candidate in record["candidates"].items():
-        summaries = {}
-        for part in validation:
-            result = run_eval(
-                EvalConfig(
-                    env=cfg["env"],
-                    model=str(run / name),
-                    env_args={**cfg["env_args"], **part.env_args},
-                    num_examples=args.games,
-                    max_tokens=cfg["sampling"]["max_tokens"],
-                    temperature=0.0,
-                    concurrency=256,
-                    seed=args.seed,
-                    device=args.device,
-                )
-            )
-            summaries[part.name] = summary_metrics(result.summary)
-        exact = exact_summaries(env, run / name, cfg, args.device)
+        summaries = {part.name: game_summary(run / name, part, cfg) for part in validation}
+        exact = exact_summaries(env, run / name, cfg)
         rows[name] = {
             "step": candidate["step"],
             "exact": score(exact, validation),
