@@ -41,8 +41,7 @@ from rlcore.train.common import (  # noqa: E402
 from rlcore.train.config import RLConfig, load_config  # noqa: E402
 from rlcore.train.grpo import (  # noqa: E402
     Learner,
-    compiled_token_logprobs,
-    token_logprobs,
+    training_pass,
     update_policy,
 )
 from rlcore.train.sequences import TrainingSequence, collate, micro_batches  # noqa: E402
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
                 seed, args.sequences, len(tokenizer) - 1, (shortest, longest), args.judged
             )
             if label == "A":  # the same weights in both modes: their logprobs compare
-                first_logprobs[mode] = first_pass(learner, batch, cfg, compiled)
+                first_logprobs[mode] = first_pass(learner, batch, cfg)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
@@ -164,14 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 @torch.no_grad()
-def first_pass(learner, batch, cfg, compiled: bool) -> torch.Tensor:
+def first_pass(learner, batch, cfg) -> torch.Tensor:
     """The trained tokens' logprobs of `batch`'s first micro-batch under the current
-    weights, by the pass the update takes (compiled or eager)."""
+    weights, by the pass the update takes (`grpo.training_pass`: compiled or eager)."""
     chunk = micro_batches(batch, cfg.micro_batch_size)[0]
     input_ids, _, weights, _ = collate(chunk, learner.pad_id, learner.device)
-    forward = (
-        compiled_token_logprobs() if compiled and learner.device.type == "cuda" else token_logprobs
-    )
+    forward = training_pass(cfg, learner.device)
     with autocast(learner.device):
         logprobs, *_ = forward(learner.model, input_ids, cfg.sampling.temperature, True, None)
     return logprobs.float()[weights > 0].cpu()

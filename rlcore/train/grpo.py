@@ -343,6 +343,11 @@ def compiled_token_logprobs():
     return torch.compile(token_logprobs, dynamic=True)
 
 
+def training_pass(cfg: RLConfig, device: torch.device):
+    """The update's pass: `token_logprobs`, compiled where `cfg.compile` asks for it on CUDA."""
+    return compiled_token_logprobs() if cfg.compile and device.type == "cuda" else token_logprobs
+
+
 # ---------------------------------------------------------------------------------------
 # The two passes over a batch of sequences
 
@@ -467,8 +472,7 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     chunks = micro_batches(trainable, cfg.micro_batch_size)
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
-    compiled = cfg.compile and learner.device.type == "cuda"
-    forward = compiled_token_logprobs() if compiled else token_logprobs
+    forward = training_pass(cfg, learner.device)
     for iteration in range(cfg.num_iterations):
         for index, (chunk, batch, sets) in enumerate(zip(chunks, batches, move_sets, strict=True)):
             if iteration == 0 and learner.should_stop():
