@@ -150,12 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     against_optimal = None
     if args.model:  # every history was asked, so the perfect opponent's tree is known too
-        optimal = Walk(by_history, {}, "optimal", invalid)
-        against_optimal = Counter()
-        for mark, starts in SEATINGS:
-            for key, value in optimal.outcome(mark, starts).items():
-                against_optimal[key] += float(value) / len(SEATINGS)
-        against_optimal = {key: against_optimal[key] for key in OUTCOMES}
+        against_optimal = Walk(by_history, {}, "optimal", invalid).rates()
         score = against_optimal["draw"] + result["win"] - 2 * result["loss"]
         print(
             f"against the optimal player: {against_optimal['draw']:.2%} drawn, "

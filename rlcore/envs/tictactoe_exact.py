@@ -177,6 +177,14 @@ class Walk:
             cell = oracle_best_moves(board, mark)[0]
         return self.outcome(mark, starts, history + (cell,), reach, wrong, replies + 1)
 
+    def rates(self) -> dict[str, float]:
+        """`OUTCOMES` and `invalid_move_rate`, the mean over the four seatings."""
+        total: Counter = Counter()
+        for mark, starts in SEATINGS:
+            for key, value in self.outcome(mark, starts).items():
+                total[key] += float(value) / len(SEATINGS)
+        return {key: total[key] for key in (*OUTCOMES, "invalid_move_rate")}
+
 
 def _rate(wrong: int, replies: int) -> Fraction:
     return Fraction(wrong, replies) if replies else Fraction(0)
@@ -190,9 +198,5 @@ async def exact_rates(policy, max_turns: int = 6, max_tokens: int = 64) -> dict:
     by_history = {key: Counter({cell: 1}) for key, cell in moves.items()}
     rates = {"questions": asked}
     for opponent in ("random", "optimal"):
-        walk, total = Walk(by_history, {}, opponent, invalid), Counter()
-        for mark, starts in SEATINGS:
-            for key, value in walk.outcome(mark, starts).items():
-                total[key] += float(value) / len(SEATINGS)
-        rates[opponent] = {key: total[key] for key in (*OUTCOMES, "invalid_move_rate")}
+        rates[opponent] = Walk(by_history, {}, opponent, invalid).rates()
     return rates
