@@ -346,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         help="env param self_play: share of the RL games whose opponent is the policy itself",
     )
     parser.add_argument(
+        "--rl-win-chances",
+        action="store_true",
+        help="env param win_chances: the sound mass also raises the oracle's moves (the most "
+        "chances against a random opponent) above the other sound ones",
+    )
+    parser.add_argument(
         "--rl-loss-reward",
         type=float,
         default=0.0,
@@ -381,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="rollout actor processes feeding the RL learner batches played by recent weights",
+    )
+    parser.add_argument(
+        "--rl-compile",
+        action="store_true",
+        help="RLConfig.compile: the update's pass through torch.compile on CUDA (~1 minute of "
+        "compile out of the budget, then a faster update)",
     )
     parser.add_argument("--eval-games", type=int, default=1000)
     parser.add_argument(
@@ -490,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             "loss_reward": args.rl_loss_reward,
             "think_reward": args.rl_think_reward,
             "self_play": args.rl_self_play,
+            "win_chances": args.rl_win_chances,
         },
         output_dir=str(out / "rl"),
         max_steps=args.rl_max_steps,
@@ -520,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         processes=args.rl_processes,
         actors=args.rl_actors,
+        compile=args.rl_compile,
     )
     rl_dir = run_rl_ranks(
         rl_config,

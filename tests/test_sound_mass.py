@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.envs.registry import load_environment
-from rlcore.envs.tictactoe_game import empty_cells, sound_moves
+from rlcore.envs.tictactoe_game import empty_cells, oracle_best_moves, sound_moves
 from rlcore.events import RecordingSink
 from rlcore.policy.base import Policy
 from rlcore.rollout import run_rollouts
@@ -101,6 +101,34 @@ def test_each_judged_move_is_recorded_at_its_token_with_the_positions_sound_move
         assert tokenizer.decode(sequence.input_ids[at + 1]).isdigit()
         cells = positions[tuple(sequence.input_ids[: at + 1])]
         assert sorted(int(tokenizer.decode(i)) for i in ids) == sorted(cells)
+
+
+def test_win_chances_grade_the_sound_moves_and_add_the_oracles_set(played):
+    _, tokenizer, rollouts, _ = played
+    env = load_environment("tictactoe", max_turns=4, num_groups=2, win_chances=True)
+    graded = 0
+    for rollout in rollouts:
+        built = training_sequences(rollout, [0.0] * len(rollout.turns), "turn")
+        assert attach_move_sets(env, rollout, built, tokenizer, {}, {}) == len(rollout.turns)
+        recorded = iter([ids for s in built for _, ids in s.move_sets])
+        for index, turn in enumerate(rollout.turns):
+            reply = tokenizer.decode(turn.completion_ids).replace("<|im_end|>", "")
+            options = env.move_options(rollout, index, reply)
+            board, mark = turn.state_key.split("/")[0], rollout.state["model_mark"]
+            sound, best = set(sound_moves(board, mark)), set(oracle_best_moves(board, mark))
+            assert best <= sound
+            for option in [options.played, *options.others]:
+                cell = int(option)
+                expected = 1.0 if cell in best else 0.5 if cell in sound else 0.0
+                assert options.judge(option) == expected, (board, cell)
+            cells = [sorted(int(tokenizer.decode(i)) for i in next(recorded))]
+            mixed = sound != best and sound != set(empty_cells(board))
+            if mixed:  # three grades: the oracle's moves, then every sound one
+                cells.append(sorted(int(tokenizer.decode(i)) for i in next(recorded)))
+                graded += 1
+            assert cells == ([sorted(best), sorted(sound)] if mixed else [sorted(best)])
+        assert next(recorded, None) is None
+    assert graded >= 3
 
 
 def test_the_loss_reads_the_log_probability_of_the_sound_moves(played, tiny_model):

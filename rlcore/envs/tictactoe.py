@@ -53,6 +53,7 @@ from rlcore.envs.tictactoe_game import (
     missed_tactic,
     move_values,
     opponent_move,
+    oracle_best_moves,
     other_mark,
     parse_move,
     play_move,
@@ -336,6 +337,15 @@ class TicTacToeEnv(MultiTurnEnv):
             "invalid one replaced by the minimax opponent's move. 0: minimax in every game.",
             min=0.0,
             max=1.0,
+        ),
+        Param(
+            "win_chances",
+            bool,
+            False,
+            "Grade the moves for RL's sound mass three ways: the oracle's moves (among the "
+            "sound ones, the fastest win and the most chances for a random opponent to go "
+            "wrong) 1, the other sound moves 0.5, the unsound ones 0; the loss then raises "
+            "the mass of both the sound moves and the oracle's. Turn rewards are unchanged.",
         ),
         Param(
             "invalid_move_penalty",
@@ -644,7 +654,8 @@ class TicTacToeEnv(MultiTurnEnv):
         """For a legal move the solver judged: the reply up to its last `<move>` tag, the
         cell played, and the board's other empty cells, each judged 1.0 if it keeps the
         position's game-theoretic value (`sound_moves`) and 0.0 if not: the move part of
-        `turn_rewards` (the think bonus is the reply's either way)."""
+        `turn_rewards` (the think bonus is the reply's either way). With `win_chances` a
+        sound move that is not one of `oracle_best_moves` is judged 0.5."""
         sound = rollout.state.get("move_sound") or []
         key = rollout.turns[turn].state_key if turn < len(rollout.turns) else None
         if turn >= len(sound) or sound[turn] is None or not key:
@@ -654,12 +665,20 @@ class TicTacToeEnv(MultiTurnEnv):
         start = reply.rfind("<move>") + len("<move>")
         if cell is None or reply[start : start + 1] != str(cell):
             return None  # e.g. a padded tag ("<move> 4</move>"): no one-character move to swap
-        sound_cells = set(sound_moves(board, rollout.state["model_mark"]))
+        mark = rollout.state["model_mark"]
+        sound_cells = set(sound_moves(board, mark))
+        best_cells = set(oracle_best_moves(board, mark) if self.config["win_chances"] else ())
+
+        def judge(option: str) -> float:
+            if int(option) not in sound_cells:
+                return 0.0
+            return 1.0 if not best_cells or int(option) in best_cells else 0.5
+
         return MoveOptions(
             prefix=reply[:start],
             played=str(cell),
             others=[str(c) for c in empty_cells(board) if c != cell],
-            judge=lambda option: 1.0 if int(option) in sound_cells else 0.0,
+            judge=judge,
         )
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:

@@ -15,6 +15,12 @@ sound moves decides which gains most, and it stays near its largest however sure
 is of a wrong move. It applies at sound moves too, where it takes mass off the unsound moves
 the sample did not show. It reads the logits at the move token of the rollout's own training
 sequences: no extra forward pass and no extra sequence.
+
+A judge that grades more than two ways (tic-tac-toe's `win_chances`: the oracle's moves
+above the other sound ones, above the unsound ones) adds a second set at the same token:
+every move above the worst grade. The loss then raises both the mass of the moves better
+than the worst and that of the best, so learning to keep the value loses none of its signal
+to the choice among the moves that keep it.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ def attach_move_sets(
 ) -> int:
     """Record in `sequences` (the rollout's, from `training_sequences`) every judged move:
     the target index whose next token is the move, and the token ids of the moves the env
-    judges best in its position. Returns how many moves were recorded. A move that is not
+    judges best in its position (and, for a graded judge, of those above its worst grade).
+    Returns how many moves were recorded. A move that is not
     one token of its own, or whose options are not, is left out. `pieces` and `single`
     cache token texts and option ids across calls."""
     recorded = 0
@@ -54,9 +61,12 @@ def attach_move_sets(
         if any(single[text] is None for text in moves):
             continue
         verdicts = [options.judge(text) for text in moves]
-        best = [single[text] for text, v in zip(moves, verdicts, strict=True) if v == max(verdicts)]
+        worst, top = min(verdicts), max(verdicts)
+        graded = list(zip((single[text] for text in moves), verdicts, strict=True))
         position = sequence.turn_starts[index] + at
-        sequence.move_sets.append((position - 1, best))
+        sequence.move_sets.append((position - 1, [i for i, v in graded if v == top]))
+        if any(worst < v < top for v in verdicts):  # graded: the mass above the worst too
+            sequence.move_sets.append((position - 1, [i for i, v in graded if v > worst]))
         recorded += 1
     return recorded
 
