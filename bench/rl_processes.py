@@ -136,7 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--games", default="64,256,1024", help="games a step, comma-separated")
-    parser.add_argument("--processes", default="1,2,4", help="processes, comma-separated")
+    parser.add_argument(
+        "--processes",
+        default="1,2,4",
+        help='processes, comma-separated ("": none, actors rows only)',
+    )
     parser.add_argument("--actors", default="", help="actor counts, comma-separated")
     parser.add_argument("--steps", type=int, default=8, help="timed steps a row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = [int(g) for g in args.games.split(",")]
-    counts = [int(p) for p in args.processes.split(",")]
+    counts = [int(p) for p in args.processes.split(",") if p]  # "": actors rows only
     setups = [(p, 0) for p in counts] + [(1, int(a)) for a in args.actors.split(",") if a]
     args.profile = {int(p) for p in args.profile.split(",") if p}
     rows = []
