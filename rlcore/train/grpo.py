@@ -336,11 +336,15 @@ def compiled_token_logprobs():
     vary from step to step); a graph each for with or without entropy and judged moves."""
     import torch._inductor.config as inductor
 
-    # Inductor's coalescing analysis fails an assertion on these dynamic shapes (torch 2.11,
-    # H100); without it the kernels are the same but for their tiling.
+    # Two of inductor's passes break on these dynamic shapes (torch 2.11, H100): its padding
+    # of strides (the vocabulary's 404 to 408) fixed the logits' row stride at the first
+    # batch's width, and the next width failed its stride check (a 1,024-game step with
+    # actors, thirty-ninth session); its coalescing analysis fails an assertion. Without them
+    # the kernels are the same but for their layout and tiling.
+    options = {"comprehensive_padding": False}
     if hasattr(inductor.triton, "coalesce_tiling_analysis"):
-        inductor.triton.coalesce_tiling_analysis = False
-    return torch.compile(token_logprobs, dynamic=True)
+        options["triton.coalesce_tiling_analysis"] = False
+    return torch.compile(token_logprobs, dynamic=True, options=options)
 
 
 def training_pass(cfg: RLConfig, device: torch.device):
