@@ -98,6 +98,7 @@ def test_registry_builds_the_env_with_defaults():
         "reasoning": "empty",
         "think_reward": 0.0,
         "self_play": 0.0,
+        "win_chances": False,
         "invalid_move_penalty": 0.1,
         "invalid_penalty_cap": 0.5,
     }
