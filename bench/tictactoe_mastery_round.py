@@ -15,7 +15,9 @@ merged into `bench/results/tictactoe_mastery_gpu_r<round>.json` (or `--results`)
 command, the card, each run's flags, stages, wall times and training curves (metrics at the
 first step, a third, two thirds and the last, the step's timings among them), and the best
 run by the choice rule below; with `--archive DIR` the best run's RL checkpoint is packed
-into `DIR/best.tar.gz` (what a lent machine can hand back).
+into `DIR/best.tar.gz` and each run's chosen save, `average/` and last save into
+`DIR/<run>.tar.gz`, weights without the trainer's state (what a lent machine can hand back,
+for `bench/tictactoe_exact.py --model` on each).
 
 The choice rule (the benchmark's `choice_score`, the one `tiny-master` is chosen by): draws
 against optimal plus wins against random, less twice the losses against random and twice
@@ -38,6 +40,8 @@ BENCH = HERE / "tictactoe_mastery.py"
 sys.path.insert(0, str(HERE))
 
 from tictactoe_mastery import choice_score  # noqa: E402  (the benchmark's own rule)
+
+from rlcore.train.common import TRAINER_STATE  # noqa: E402
 
 CURVE_KEYS = (
     "tictactoe/sound_move_rate",
@@ -171,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-minutes", type=float, default=None)
     parser.add_argument("--question", default="", help="what the round asks, for its record")
     parser.add_argument("--results", default=None, help="the round's JSON (default by round)")
-    parser.add_argument("--archive", default=None, help="pack the best run's RL checkpoint here")
+    parser.add_argument(
+        "--archive",
+        default=None,
+        help="pack the best run's RL checkpoint and each run's candidates here",
+    )
     args = parser.parse_args(argv)
     if (args.part == 1) != (args.split_minutes is not None):
         parser.error("--split-minutes goes with --part 1, and --part 1 needs it")
@@ -207,14 +215,34 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(summary_table(merged))
     print(f"wrote {out}")
-    if args.archive and merged["best"]:
-        archive = Path(args.archive)
-        archive.mkdir(parents=True, exist_ok=True)
+    if args.archive:
+        pack(Path(args.archive), args.round, merged)
+    return 1 if failed else 0
+
+
+def pack(archive: Path, round_name: str, merged: dict) -> None:
+    """The best run's chosen checkpoint in `best.tar.gz`, and each run's candidates a later
+    look needs (its chosen save, `average/` and its last save) in `<run>.tar.gz`, weights,
+    config and tokenizer only: the trainer's state (the optimizer's moments, twice the
+    weights) is left out, so every archive stays small enough for a lent machine to hand
+    back (round 70's three checkpoints with it did not come back)."""
+    archive.mkdir(parents=True, exist_ok=True)
+
+    def weights_only(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if Path(info.name).name == TRAINER_STATE else info
+
+    if merged["best"]:
         checkpoint = merged["runs"][merged["best"]]["checkpoints"]["rl"]
         with tarfile.open(archive / "best.tar.gz", "w:gz") as packed:
-            packed.add(checkpoint, arcname=f"r{args.round}-{merged['best']}")
+            packed.add(checkpoint, arcname=f"r{round_name}-{merged['best']}", filter=weights_only)
         print(f"packed {checkpoint} into {archive / 'best.tar.gz'}")
-    return 1 if failed else 0
+    for name, run in merged["runs"].items():
+        chosen = Path(run["checkpoints"]["rl"])
+        kept = {chosen, chosen.parent / "average", Path(run["checkpoints"]["rl_last"])}
+        with tarfile.open(archive / f"{name}.tar.gz", "w:gz") as packed:
+            for path in sorted(p for p in kept if p.is_dir()):
+                packed.add(path, arcname=f"r{round_name}-{name}/{path.name}", filter=weights_only)
+        print(f"packed {name}'s candidates into {archive / f'{name}.tar.gz'}")
 
 
 if __name__ == "__main__":

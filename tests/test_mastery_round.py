@@ -116,6 +116,13 @@ def test_a_round_split_in_two_parts_resumes_exactly_and_spends_one_budget(tmp_pa
         assert candidate["score"] == pytest.approx(ROUND.choice_score(rows), abs=1e-5)
     with tarfile.open(archive / "best.tar.gz") as packed:
         assert "rt-a/model.safetensors" in packed.getnames()
+        assert not any(name.endswith("trainer_state.pt") for name in packed.getnames())
+    # Each run's candidates for a later exact look: its chosen save and its last one.
+    with tarfile.open(archive / "a.tar.gz") as packed:
+        names = packed.getnames()
+    for save in {run["selection"]["chosen"], last}:
+        assert f"rt-a/{save}/model.safetensors" in names and f"rt-a/{save}/config.json" in names
+    assert not any(name.endswith("trainer_state.pt") for name in names)
 
 
 def _rl(win, draw_vs_optimal, loss, invalid):
