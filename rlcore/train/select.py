@@ -16,7 +16,6 @@ one small step after another). On the 2-core CPU profile's runs the validation g
 the average of the last 21 saves on two of three, and there it beat the top-ranked single save's
 held-out score by 0.10 (docs/mastery.md, thirty-sixth session): the average smooths the
 save-to-save swing that the choice otherwise samples.
-
 """
 
 from __future__ import annotations
