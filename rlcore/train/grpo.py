@@ -336,12 +336,13 @@ def compiled_token_logprobs():
     vary from step to step); a graph each for with or without entropy and judged moves."""
     import torch._inductor.config as inductor
 
-    # Two of inductor's passes break on these dynamic shapes (torch 2.11, H100): its padding
-    # of strides (the vocabulary's 404 to 408) fixed the logits' row stride at the first
-    # batch's width, and the next width failed its stride check (a 1,024-game step with
-    # actors, thirty-ninth session); its coalescing analysis fails an assertion. Without them
-    # the kernels are the same but for their layout and tiling.
-    options = {"comprehensive_padding": False}
+    # Inductor's padding breaks on these dynamic shapes (torch 2.11, H100): padding the
+    # vocabulary's 404 to 408 (the matmul's `shape_padding` as well as `comprehensive_padding`)
+    # fixed the logits' row stride at the first batch's width, and the next width failed its
+    # stride check (a 1,024-game step with actors, thirty-ninth and fortieth sessions); its
+    # coalescing analysis fails an assertion. Without them the kernels are the same but for
+    # their layout and tiling.
+    options = {"comprehensive_padding": False, "shape_padding": False}
     if hasattr(inductor.triton, "coalesce_tiling_analysis"):
         options["triton.coalesce_tiling_analysis"] = False
     return torch.compile(token_logprobs, dynamic=True, options=options)
