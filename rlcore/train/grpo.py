@@ -95,6 +95,7 @@ from rlcore.train.sequences import (
     micro_batches,
     move_set_rows,
     padded,
+    shared_prefix,
     target_rows,
     think_length,
     to_device,
@@ -303,7 +304,9 @@ def policy_loss(
     return total, stats
 
 
-def token_logprobs(model, input_ids, temperature: float, with_entropy=False, move_sets=None):
+def token_logprobs(
+    model, input_ids, temperature: float, with_entropy=False, move_sets=None, prefix=None
+):
     """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
     (the distribution the engine sampled from), optionally its entropy, and with
     `move_sets` (sequences.move_set_rows) the log of the summed probability of each judged
@@ -313,21 +316,53 @@ def token_logprobs(model, input_ids, temperature: float, with_entropy=False, mov
     `input_ids` are right-padded (`collate`), so no padding mask is passed: under the
     causal mask a sequence's tokens never see the padding after them, and without a mask
     attention runs as plain causal attention (flash kernels on a GPU, no [B, T, T] mask
-    built), where the padding positions' own values are garbage no weight reads."""
-    logits = model(input_ids=input_ids).logits[:, :-1]
+    built), where the padding positions' own values are garbage no weight reads.
+
+    With `prefix` (sequences.shared_prefix) the rows' shared opening runs once per distinct
+    opening (`shared_prefix_logits`); its positions, which no weight or judged move reads,
+    come back as 0."""
+    skipped = 0 if prefix is None else prefix.length - 1
+    if prefix is None:
+        logits = model(input_ids=input_ids).logits[:, :-1]
+    else:
+        logits = shared_prefix_logits(model, input_ids, prefix)
     logits = logits.float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_normalizer
+    targets = input_ids[:, 1 + skipped :, None]
+    logprobs = logits.gather(-1, targets).squeeze(-1) - log_normalizer
     entropy = None
     if with_entropy:
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     best = None
     if move_sets is not None:
-        rows, targets, members = move_sets
-        picked = logits[rows, targets].gather(-1, members.clamp(min=0))
+        rows, at, members = move_sets
+        at = at - skipped
+        picked = logits[rows, at].gather(-1, members.clamp(min=0))
         picked = picked.masked_fill(members < 0, float("-inf"))
-        best = torch.logsumexp(picked, dim=-1) - log_normalizer[rows, targets]
+        best = torch.logsumexp(picked, dim=-1) - log_normalizer[rows, at]
+    if skipped:
+        logprobs = torch.nn.functional.pad(logprobs, (skipped, 0))
+        entropy = None if entropy is None else torch.nn.functional.pad(entropy, (skipped, 0))
     return logprobs, entropy, best
+
+
+def shared_prefix_logits(model, input_ids, prefix):
+    """The logits at positions `prefix.length - 1` to T - 2 of right-padded `input_ids`
+    [B, T] whose rows share their first `prefix.length` tokens by group: the openings run
+    once each (their keys and values, and the head at their last position only), then every
+    row's rest runs on its group's keys and values. The same numbers as the full pass (the
+    rest attends to the same keys), and the same gradient: the openings' share flows back
+    through the selection that hands each row its group's keys and values."""
+    opening = model(
+        input_ids=input_ids[prefix.heads, : prefix.length], use_cache=True, logits_to_keep=1
+    )
+    first = opening.logits[prefix.groups]
+    if input_ids.shape[1] - 1 == prefix.length:  # nothing after the opening but the last token
+        return first
+    cache = opening.cache
+    cache.reorder_cache(prefix.groups)  # one entry per row: its group's keys and values
+    rest = model(input_ids=input_ids[:, prefix.length : -1], cache=cache, use_cache=True).logits
+    return torch.cat((first, rest), dim=1)
 
 
 @functools.cache
@@ -351,6 +386,16 @@ def compiled_token_logprobs():
 def training_pass(cfg: RLConfig, device: torch.device):
     """The update's pass: `token_logprobs`, compiled where `cfg.compile` asks for it on CUDA."""
     return compiled_token_logprobs() if cfg.compile and device.type == "cuda" else token_logprobs
+
+
+def openings_once(chunks, device: torch.device) -> list:
+    """Each micro-batch's shared opening (sequences.shared_prefix) to run once per group, on
+    the CPU, where the update is most of a step (a third of a game's tokens are its group's
+    prompt); None for each elsewhere: on a GPU the trainer's attention kernels take no mask,
+    and the split pass is not measured there."""
+    if device.type != "cpu":
+        return [None] * len(chunks)
+    return [shared_prefix(chunk, device) for chunk in chunks]
 
 
 # ---------------------------------------------------------------------------------------
@@ -436,15 +481,18 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     sums = StepSums(learner.device)
     chunks = micro_batches(sequences, cfg.micro_batch_size)
     temperature = cfg.sampling.temperature
-    for index, chunk in enumerate(chunks):
+    openings = openings_once(chunks, learner.device)
+    for index, (chunk, opening) in enumerate(zip(chunks, openings, strict=True)):
         if learner.should_stop():
             raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run")
         input_ids, _, weights, _ = collate(chunk, learner.pad_id, learner.device)
         with autocast(learner.device):
-            old, entropy, _ = token_logprobs(learner.model, input_ids, temperature, True)
+            old, entropy, _ = token_logprobs(
+                learner.model, input_ids, temperature, True, prefix=opening
+            )
             ref = None
             if learner.reference is not None:
-                ref, *_ = token_logprobs(learner.reference, input_ids, temperature)
+                ref, *_ = token_logprobs(learner.reference, input_ids, temperature, prefix=opening)
         sums.add(sampling_stats(chunk, old, entropy, weights))
         for row, sequence in enumerate(chunk):
             length = len(sequence.input_ids) - 1
@@ -477,15 +525,18 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     chunks = micro_batches(trainable, cfg.micro_batch_size)
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
+    openings = openings_once(chunks, learner.device)
     forward = training_pass(cfg, learner.device)
     for iteration in range(cfg.num_iterations):
-        for index, (chunk, batch, sets) in enumerate(zip(chunks, batches, move_sets, strict=True)):
+        for index, (chunk, batch, sets, opening) in enumerate(
+            zip(chunks, batches, move_sets, openings, strict=True)
+        ):
             if iteration == 0 and learner.should_stop():
                 raise StepStopped(f"update 1: micro-batch {index + 1} of {len(chunks)} not run")
             input_ids, _, weights, advantages = batch
             with autocast(learner.device):
                 logprobs, entropy, best = forward(
-                    learner.model, input_ids, cfg.sampling.temperature, single_pass, sets
+                    learner.model, input_ids, cfg.sampling.temperature, single_pass, sets, opening
                 )
             width, device = weights.shape[1], learner.device
             if single_pass:

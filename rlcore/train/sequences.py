@@ -12,6 +12,7 @@ from which the mask, the normalizer and the KL term all follow.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -178,6 +179,48 @@ def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[Tra
     """Chunks of `size` sequences of similar length, so little compute goes to padding."""
     ordered = sorted(sequences, key=lambda s: len(s.input_ids))
     return [ordered[start : start + size] for start in range(0, len(ordered), size)]
+
+
+@dataclass
+class SharedPrefix:
+    """The opening tokens a micro-batch's rows share (a group's rollouts of one example
+    start from its prompt): `length` tokens, run once for each distinct opening. `heads`:
+    the row standing for each opening; `groups`: each row's opening (index into `heads`)."""
+
+    length: int
+    heads: torch.Tensor
+    groups: torch.Tensor
+
+
+def shared_prefix(chunk: list[TrainingSequence], device) -> SharedPrefix | None:
+    """The opening to run once per group: of the lengths at which rows start to differ
+    (within what every row keeps untrained: no weighted token, no judged move, at least one
+    token after it), the one that skips the most tokens, (rows - distinct openings) x
+    length. A group's rollouts share their prompt, and the system prompt is shared by all:
+    the longer opening, a group's, usually wins. None when nothing would be skipped."""
+    bound = min(len(s.input_ids) - 1 for s in chunk)
+    for s in chunk:
+        trained = next((i for i, weight in enumerate(s.weights) if weight > 0), len(s.weights))
+        bound = min(bound, trained, *(at + 1 for at, _ in s.move_sets))
+    openings = sorted(tuple(s.input_ids[:bound]) for s in chunk)
+    # Where each opening stops agreeing with the next one, in sorted order.
+    agree = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), bound)
+        for a, b in pairwise(openings)
+    ]
+    skipped, length = max(
+        ((len(chunk) - 1 - sum(n < at for n in agree)) * at, at) for at in {*agree, 0}
+    )
+    if skipped == 0 or length < 2:
+        return None
+    distinct: dict[tuple[int, ...], int] = {}
+    groups = [distinct.setdefault(tuple(s.input_ids[:length]), len(distinct)) for s in chunk]
+    heads = [groups.index(group) for group in range(len(distinct))]
+    return SharedPrefix(
+        length,
+        to_device(torch.tensor(heads), device),
+        to_device(torch.tensor(groups), device),
+    )
 
 
 def collate(chunk: list[TrainingSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
