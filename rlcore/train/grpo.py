@@ -391,8 +391,9 @@ def training_pass(cfg: RLConfig, device: torch.device):
 def openings_once(chunks, device: torch.device) -> list:
     """Each micro-batch's shared opening (sequences.shared_prefix) to run once per group, on
     the CPU, where the update is most of a step (a third of a game's tokens are its group's
-    prompt); None for each elsewhere: on a GPU the trainer's attention kernels take no mask,
-    and the split pass is not measured there."""
+    prompt); None for each elsewhere: on a GPU the rest's attention over the openings' keys
+    needs a mask, so flash attention no longer serves it, and the split pass is not measured
+    there."""
     if device.type != "cpu":
         return [None] * len(chunks)
     return [shared_prefix(chunk, device) for chunk in chunks]
