@@ -95,11 +95,12 @@ from rlcore.train.sequences import (
     micro_batches,
     move_set_rows,
     padded,
-    shared_prefix,
     target_rows,
     think_length,
     to_device,
+    token_tree,
     training_sequences,
+    tree_batches,
 )
 from rlcore.train.sound_mass import attach_move_sets
 from rlcore.types import Rollout, SamplingParams, Turn
@@ -305,7 +306,7 @@ def policy_loss(
 
 
 def token_logprobs(
-    model, input_ids, temperature: float, with_entropy=False, move_sets=None, prefix=None
+    model, input_ids, temperature: float, with_entropy=False, move_sets=None, tree=None
 ):
     """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
     (the distribution the engine sampled from), optionally its entropy, and with
@@ -318,51 +319,34 @@ def token_logprobs(
     attention runs as plain causal attention (flash kernels on a GPU, no [B, T, T] mask
     built), where the padding positions' own values are garbage no weight reads.
 
-    With `prefix` (sequences.shared_prefix) the rows' shared opening runs once per distinct
-    opening (`shared_prefix_logits`); its positions, which no weight or judged move reads,
-    come back as 0."""
-    skipped = 0 if prefix is None else prefix.length - 1
-    if prefix is None:
+    With `tree` (sequences.token_tree) the pass runs over the rows' token trie instead, each
+    shared prefix once, and every row's values are read from its prefixes' nodes: the same
+    numbers, and the same gradient (a node's share flows back from every row through it)."""
+    if tree is None:
         logits = model(input_ids=input_ids).logits[:, :-1]
     else:
-        logits = shared_prefix_logits(model, input_ids, prefix)
+        logits = model(
+            input_ids=tree.input_ids, position_ids=tree.positions, attention_mask=tree.mask
+        ).logits[0]
     logits = logits.float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
-    targets = input_ids[:, 1 + skipped :, None]
-    logprobs = logits.gather(-1, targets).squeeze(-1) - log_normalizer
+    targets = input_ids[:, 1:]
+    if tree is None:
+        logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - log_normalizer
+    else:
+        logprobs = logits[tree.nodes, targets] - log_normalizer[tree.nodes]
     entropy = None
     if with_entropy:
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        entropy = entropy if tree is None else entropy[tree.nodes]
     best = None
     if move_sets is not None:
         rows, at, members = move_sets
-        at = at - skipped
-        picked = logits[rows, at].gather(-1, members.clamp(min=0))
+        where = (rows, at) if tree is None else (tree.nodes[rows, at],)
+        picked = logits[where].gather(-1, members.clamp(min=0))
         picked = picked.masked_fill(members < 0, float("-inf"))
-        best = torch.logsumexp(picked, dim=-1) - log_normalizer[rows, at]
-    if skipped:
-        logprobs = torch.nn.functional.pad(logprobs, (skipped, 0))
-        entropy = None if entropy is None else torch.nn.functional.pad(entropy, (skipped, 0))
+        best = torch.logsumexp(picked, dim=-1) - log_normalizer[where]
     return logprobs, entropy, best
-
-
-def shared_prefix_logits(model, input_ids, prefix):
-    """The logits at positions `prefix.length - 1` to T - 2 of right-padded `input_ids`
-    [B, T] whose rows share their first `prefix.length` tokens by group: the openings run
-    once each (their keys and values, and the head at their last position only), then every
-    row's rest runs on its group's keys and values. The same numbers as the full pass (the
-    rest attends to the same keys), and the same gradient: the openings' share flows back
-    through the selection that hands each row its group's keys and values."""
-    opening = model(
-        input_ids=input_ids[prefix.heads, : prefix.length], use_cache=True, logits_to_keep=1
-    )
-    first = opening.logits[prefix.groups]
-    if input_ids.shape[1] - 1 == prefix.length:  # nothing after the opening but the last token
-        return first
-    cache = opening.cache
-    cache.reorder_cache(prefix.groups)  # one entry per row: its group's keys and values
-    rest = model(input_ids=input_ids[:, prefix.length : -1], cache=cache, use_cache=True).logits
-    return torch.cat((first, rest), dim=1)
 
 
 @functools.cache
@@ -386,17 +370,6 @@ def compiled_token_logprobs():
 def training_pass(cfg: RLConfig, device: torch.device):
     """The update's pass: `token_logprobs`, compiled where `cfg.compile` asks for it on CUDA."""
     return compiled_token_logprobs() if cfg.compile and device.type == "cuda" else token_logprobs
-
-
-def openings_once(chunks, device: torch.device) -> list:
-    """Each micro-batch's shared opening (sequences.shared_prefix) to run once per group, on
-    the CPU, where the update is most of a step (a third of a game's tokens are its group's
-    prompt); None for each elsewhere: on a GPU the rest's attention over the openings' keys
-    needs a mask, so flash attention no longer serves it, and the split pass is not measured
-    there."""
-    if device.type != "cpu":
-        return [None] * len(chunks)
-    return [shared_prefix(chunk, device) for chunk in chunks]
 
 
 # ---------------------------------------------------------------------------------------
@@ -450,6 +423,33 @@ class StepSums:
         return Counter(dict(zip(keys, values.tolist(), strict=True)))
 
 
+def attention_keys_per_token(model) -> float:
+    """How many keys a token's attention scores for the cost of its pass through the
+    weights: the weights' multiply-adds a token (one a parameter) over the attention's a key
+    (the query's score and the value's share, 2 x hidden size, in every layer)."""
+    config = model.config
+    weights = sum(parameter.numel() for parameter in model.parameters())
+    return weights / (2 * config.hidden_size * config.num_hidden_layers)
+
+
+def pass_batches(learner: Learner, sequences, size: int) -> list[tuple[list, object]]:
+    """The micro-batches of a pass over `sequences`, each with its token tree or None (the
+    plain pass). On the CPU, where the update is most of a step and FLOP-bound on its tokens,
+    sequences that share prefixes (a group's prompt, and its games' common moves) run as
+    token trees (sequences.tree_batches): from a random-valid SFT policy a step's trees hold
+    45 % of its tokens, from `tiny-master` 15 %. Elsewhere, and for attention that takes no
+    boolean mask (only SDPA's does), every micro-batch is plain: a tree's mask moves a GPU's
+    attention off its flash kernels, and is not measured there."""
+    model = learner.model
+    if learner.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+        return [(chunk, None) for chunk in micro_batches(sequences, size)]
+    planned = tree_batches(sequences, size, attention_keys_per_token(model))
+    return [
+        (chunk, token_tree(chunk, learner.device) if as_tree else None)
+        for chunk, as_tree in planned
+    ]
+
+
 def sampling_stats(chunk, old, entropy, weights) -> dict[str, torch.Tensor]:
     """Entropy of the trained tokens and their gap to the logprobs the engine sampled with
     (rows without sampled logprobs, e.g. from an endpoint, count for entropy only)."""
@@ -480,20 +480,17 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     """Fill each sequence's old (and reference) logprobs with one no-grad pass; they stay
     on the device, where the updates read them."""
     sums = StepSums(learner.device)
-    chunks = micro_batches(sequences, cfg.micro_batch_size)
     temperature = cfg.sampling.temperature
-    openings = openings_once(chunks, learner.device)
-    for index, (chunk, opening) in enumerate(zip(chunks, openings, strict=True)):
+    passes = pass_batches(learner, sequences, cfg.micro_batch_size)
+    for index, (chunk, tree) in enumerate(passes):
         if learner.should_stop():
-            raise StepStopped(f"scoring: micro-batch {index + 1} of {len(chunks)} not run")
+            raise StepStopped(f"scoring: micro-batch {index + 1} of {len(passes)} not run")
         input_ids, _, weights, _ = collate(chunk, learner.pad_id, learner.device)
         with autocast(learner.device):
-            old, entropy, _ = token_logprobs(
-                learner.model, input_ids, temperature, True, prefix=opening
-            )
+            old, entropy, _ = token_logprobs(learner.model, input_ids, temperature, True, tree=tree)
             ref = None
             if learner.reference is not None:
-                ref, *_ = token_logprobs(learner.reference, input_ids, temperature, prefix=opening)
+                ref, *_ = token_logprobs(learner.reference, input_ids, temperature, tree=tree)
         sums.add(sampling_stats(chunk, old, entropy, weights))
         for row, sequence in enumerate(chunk):
             length = len(sequence.input_ids) - 1
@@ -523,21 +520,21 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     # this very pass (ratio exactly 1), with entropy and mismatch measured here.
     single_pass = cfg.num_iterations == 1 and not with_reference
     sums = StepSums(learner.device)
-    chunks = micro_batches(trainable, cfg.micro_batch_size)
+    passes = pass_batches(learner, trainable, cfg.micro_batch_size)
+    chunks = [chunk for chunk, _ in passes]
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
-    openings = openings_once(chunks, learner.device)
     forward = training_pass(cfg, learner.device)
     for iteration in range(cfg.num_iterations):
-        for index, (chunk, batch, sets, opening) in enumerate(
-            zip(chunks, batches, move_sets, openings, strict=True)
+        for index, ((chunk, tree), batch, sets) in enumerate(
+            zip(passes, batches, move_sets, strict=True)
         ):
             if iteration == 0 and learner.should_stop():
                 raise StepStopped(f"update 1: micro-batch {index + 1} of {len(chunks)} not run")
             input_ids, _, weights, advantages = batch
             with autocast(learner.device):
                 logprobs, entropy, best = forward(
-                    learner.model, input_ids, cfg.sampling.temperature, single_pass, sets, opening
+                    learner.model, input_ids, cfg.sampling.temperature, single_pass, sets, tree
                 )
             width, device = weights.shape[1], learner.device
             if single_pass:

@@ -181,45 +181,90 @@ def micro_batches(sequences: list[TrainingSequence], size: int) -> list[list[Tra
     return [ordered[start : start + size] for start in range(0, len(ordered), size)]
 
 
-@dataclass
-class SharedPrefix:
-    """The opening tokens a micro-batch's rows share (a group's rollouts of one example
-    start from its prompt): `length` tokens, run once for each distinct opening. `heads`:
-    the row standing for each opening; `groups`: each row's opening (index into `heads`)."""
-
-    length: int
-    heads: torch.Tensor
-    groups: torch.Tensor
-
-
-def shared_prefix(chunk: list[TrainingSequence], device) -> SharedPrefix | None:
-    """The opening to run once per group: of the lengths at which rows start to differ
-    (within what every row keeps untrained: no weighted token, no judged move, at least one
-    token after it), the one that skips the most tokens, (rows - distinct openings) x
-    length. A group's rollouts share their prompt, and the system prompt is shared by all:
-    the longer opening, a group's, usually wins. None when nothing would be skipped."""
-    bound = min(len(s.input_ids) - 1 for s in chunk)
-    for s in chunk:
-        trained = next((i for i, weight in enumerate(s.weights) if weight > 0), len(s.weights))
-        bound = min(bound, trained, *(at + 1 for at, _ in s.move_sets))
-    openings = sorted(tuple(s.input_ids[:bound]) for s in chunk)
-    # Where each opening stops agreeing with the next one, in sorted order.
-    agree = [
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), bound)
-        for a, b in pairwise(openings)
+def tree_batches(
+    sequences: list[TrainingSequence], size: int, keys_per_token: float
+) -> list[tuple[list[TrainingSequence], bool]]:
+    """Micro-batches for passes over token trees (`token_tree`), each with whether it runs as
+    one. The sequences in token order (a group's rollouts, which share their prompt, side by
+    side) are cut into runs of at most `size` whose trees cost least in all, a tree of n nodes
+    costing n (1 + n / keys_per_token): each node's pass through the weights, and its
+    attention scores against every node (the mask is dense). A run of one sequence shares
+    nothing: those are pooled into plain micro-batches of similar length (`micro_batches`)."""
+    ordered = sorted(sequences, key=lambda s: s.input_ids)
+    lengths = [len(s.input_ids) for s in ordered]
+    shared = [0] + [
+        common_length(np.asarray(a.input_ids), np.asarray(b.input_ids))
+        for a, b in pairwise(ordered)
     ]
-    skipped, length = max(
-        ((len(chunk) - 1 - sum(n < at for n in agree)) * at, at) for at in {*agree, 0}
-    )
-    if skipped == 0 or length < 2:
-        return None
-    distinct: dict[tuple[int, ...], int] = {}
-    groups = [distinct.setdefault(tuple(s.input_ids[:length]), len(distinct)) for s in chunk]
-    heads = [groups.index(group) for group in range(len(distinct))]
-    return SharedPrefix(
-        length,
-        to_device(torch.tensor(heads), device),
-        to_device(torch.tensor(groups), device),
+    # cost[end]: the least cost of the first `end` sequences; start[end]: where its last run starts
+    cost, start = [0.0] + [float("inf")] * len(ordered), [0] * (len(ordered) + 1)
+    for end in range(1, len(ordered) + 1):
+        nodes = 0
+        for first in range(end - 1, max(end - size, 0) - 1, -1):
+            # The run first..end-1: a new first sequence adds what it does not share with the
+            # old first one (the sorted order's neighbours share the most).
+            nodes += lengths[first] - (shared[first + 1] if first < end - 1 else 0)
+            total = cost[first] + nodes * (1 + nodes / keys_per_token)
+            if total < cost[end]:
+                cost[end], start[end] = total, first
+    runs, end = [], len(ordered)
+    while end:
+        runs.append(ordered[start[end] : end])
+        end = start[end]
+    alone = [run[0] for run in runs if len(run) == 1]
+    return [(run, True) for run in reversed(runs) if len(run) > 1] + [
+        (chunk, False) for chunk in micro_batches(alone, size)
+    ]
+
+
+def common_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two id arrays share."""
+    length = min(len(a), len(b))
+    differ = np.flatnonzero(a[:length] != b[:length])
+    return int(differ[0]) if len(differ) else length
+
+
+@dataclass
+class TokenTree:
+    """A micro-batch's sequences as one trie of their tokens (`token_tree`): every prefix
+    they share is one node, run once, at its depth's position, attending to itself and its
+    ancestors (its prefix), so its keys, values and logits are the ones each sequence through
+    it would compute alone."""
+
+    input_ids: torch.Tensor  # [1, nodes]: each node's token
+    positions: torch.Tensor  # [1, nodes]: its depth (its token's position in the sequences)
+    mask: torch.Tensor  # [1, 1, nodes, nodes]: True where node i attends node j
+    nodes: torch.Tensor  # [rows, width - 1]: the node whose logits predict each target
+
+
+def token_tree(chunk: list[TrainingSequence], device) -> TokenTree:
+    """The chunk's sequences as one trie (`TokenTree`), its targets as wide as the CPU's
+    `collate` makes them (the longest sequence's). Inserted in token order, the nodes come depth first: a node's subtree is the run of nodes
+    after it, up to where the last sequence through it ends its new nodes (`ends`), so node i
+    attends node j exactly when j <= i < ends[j]. A row's targets past its end read node 0
+    (their weight is 0)."""
+    total, width = sum(len(s.input_ids) for s in chunk), max(len(s.input_ids) for s in chunk)
+    tokens, depths, ends = (np.zeros(total, np.int64) for _ in range(3))
+    nodes = np.zeros((len(chunk), width - 1), np.int64)
+    count, previous, previous_path = 0, np.empty(0, np.int64), np.empty(0, np.int64)
+    for row in sorted(range(len(chunk)), key=lambda row: chunk[row].input_ids):
+        ids = np.asarray(chunk[row].input_ids, np.int64)
+        shared = common_length(previous, ids)
+        new = len(ids) - shared
+        path = np.concatenate([previous_path[:shared], np.arange(count, count + new)])
+        tokens[count : count + new] = ids[shared:]
+        depths[count : count + new] = np.arange(shared, len(ids))
+        count += new
+        ends[path] = count
+        nodes[row, : len(ids) - 1] = path[:-1]
+        previous, previous_path = ids, path
+    index = np.arange(count)
+    mask = (index[:, None] >= index[None, :]) & (index[:, None] < ends[None, :count])
+    return TokenTree(
+        to_device(torch.from_numpy(tokens[None, :count]), device),
+        to_device(torch.from_numpy(depths[None, :count]), device),
+        to_device(torch.from_numpy(mask[None, None]), device),
+        to_device(torch.from_numpy(nodes), device),
     )
 
 

@@ -1,0 +1,145 @@
+"""The update's pass over token trees (`sequences.tree_batches`, `sequences.token_tree`,
+`grpo.pass_batches`, on the CPU): which sequences share a tree, the trie's nodes, positions
+and mask, and the same logprobs, entropy, judged-move mass and gradients as the plain pass."""
+
+import random
+
+import pytest
+import torch
+
+from rlcore.train.common import load_model_and_tokenizer
+from rlcore.train.grpo import Learner, attention_keys_per_token, pass_batches, token_logprobs
+from rlcore.train.sequences import (
+    TrainingSequence,
+    collate,
+    move_set_rows,
+    token_tree,
+    tree_batches,
+)
+
+SYSTEM = list(range(10, 40))  # every row's system prompt
+
+
+def sequence(ids, trained_from, move_at=None):
+    weights = [0.0] * trained_from + [1.0] * (len(ids) - trained_from)
+    return TrainingSequence(
+        input_ids=list(ids),
+        weights=weights,
+        advantages=[0.5 * weight for weight in weights],
+        sampled_logprobs=None,
+        move_sets=[] if move_at is None else [(move_at, [5, 6, 7])],
+    )
+
+
+def groups(rng, count=3, size=5, board=20):
+    """`count` groups of `size` rollouts: the system prompt, the group's board, then games
+    that share their first moves now and then (a branching game tree), trained from the
+    first reply on, with a judged move in each."""
+    rows = []
+    for _ in range(count):
+        prompt = SYSTEM + [rng.randrange(40, 400) for _ in range(board)]
+        games = [prompt]
+        for _ in range(size):
+            game = list(rng.choice(games))
+            for _ in range(rng.randrange(1, 4)):  # a few moves of one to nine tokens each
+                game += [rng.randrange(40, 400) for _ in range(rng.randrange(1, 10))]
+            games.append(game)
+            rows.append(sequence(game, len(prompt), move_at=len(prompt) - 1))
+    rng.shuffle(rows)
+    return rows
+
+
+def prefixes(chunk) -> int:
+    return len({tuple(s.input_ids[:n]) for s in chunk for n in range(1, len(s.input_ids) + 1)})
+
+
+def test_the_trie_holds_each_prefix_once_at_its_depth_attending_its_ancestors():
+    rows = groups(random.Random(0), count=2)
+    rows.append(sequence(rows[0].input_ids, 40))  # a repeat
+    rows.append(sequence(rows[1].input_ids[:-3], 40))  # a prefix of another row
+    tree = token_tree(rows, "cpu")
+    tokens, positions = tree.input_ids[0].tolist(), tree.positions[0].tolist()
+    assert len(tokens) == prefixes(rows)
+    width = max(len(s.input_ids) for s in rows)
+    assert tree.nodes.shape == (len(rows), width - 1)
+    # Each row's targets read the nodes of its own prefixes: its tokens at their positions.
+    prefix_of = {}
+    for row, s in enumerate(rows):
+        for t in range(len(s.input_ids) - 1):
+            node = int(tree.nodes[row, t])
+            assert (tokens[node], positions[node]) == (s.input_ids[t], t)
+            assert prefix_of.setdefault(node, tuple(s.input_ids[: t + 1])) == tuple(
+                s.input_ids[: t + 1]
+            )
+    # Node i attends node j exactly when j's prefix is a prefix of i's.
+    mask = tree.mask[0, 0]
+    assert mask.shape == (len(tokens), len(tokens))
+    for i, mine in prefix_of.items():
+        for j, theirs in prefix_of.items():
+            assert bool(mask[i, j]) == (mine[: len(theirs)] == theirs), (i, j)
+
+
+def test_groups_share_a_tree_and_lone_sequences_a_plain_micro_batch():
+    rng = random.Random(1)
+    rows = groups(rng, count=3, size=4)
+    lone = [sequence([rng.randrange(40, 400) for _ in range(30)], 5) for _ in range(5)]
+    planned = tree_batches(rows + lone, 4, keys_per_token=1000.0)
+    seen = [id(s) for chunk, _ in planned for s in chunk]
+    assert sorted(seen) == sorted(map(id, rows + lone))  # every sequence once
+    assert all(len(chunk) <= 4 for chunk, _ in planned)
+    # Each group is one tree (its 50-token prompt shared), the rest plain micro-batches.
+    trees = [chunk for chunk, as_tree in planned if as_tree]
+    assert sorted(len({tuple(s.input_ids[:50]) for s in chunk}) for chunk in trees) == [1, 1, 1]
+    assert sorted(len(chunk) for chunk in trees) == [4, 4, 4]
+    assert [len(chunk) for chunk, as_tree in planned if not as_tree] == [4, 1]
+    # Groups larger than a run: still trees of two or more, never a sequence alone.
+    larger = groups(rng, count=2, size=7)
+    assert all(as_tree and len(chunk) >= 2 for chunk, as_tree in tree_batches(larger, 4, 1000.0))
+
+
+def test_the_tree_pass_matches_the_plain_pass_and_its_gradient():
+    model, _ = load_model_and_tokenizer("tiny-master", torch.device("cpu"))
+    rows = groups(random.Random(3))
+    rows.append(sequence(rows[0].input_ids, 50, move_at=49))  # a repeated game
+    input_ids, _, weights, advantages = collate(rows, 0, "cpu")
+    move_sets = move_set_rows(rows, "cpu")
+    tree = token_tree(rows, "cpu")
+    assert tree.input_ids.shape[1] < 0.7 * sum(len(s.input_ids) for s in rows)
+    results = []
+    for shared in (None, tree):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy, best = token_logprobs(model, input_ids, 0.8, True, move_sets, shared)
+        loss = -(logprobs * advantages * weights).sum() - best.sum() + (entropy * weights).sum()
+        loss.backward()
+        gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results.append((logprobs.detach(), entropy.detach(), best.detach(), gradient))
+    (plain_lp, plain_ent, plain_best, plain_grad), (lp, ent, best, grad) = results
+    assert lp.shape == plain_lp.shape == (len(rows), input_ids.shape[1] - 1)
+    real = torch.tensor([[t < len(s.input_ids) - 1 for t in range(lp.shape[1])] for s in rows])
+    torch.testing.assert_close(lp[real], plain_lp[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent[real], plain_ent[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(best, plain_best, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad, plain_grad, rtol=1e-3, atol=1e-3)
+    assert grad.abs().sum() > 0
+
+
+def learner_on(device, attention="sdpa"):
+    model, tokenizer = load_model_and_tokenizer("tiny-master", torch.device("cpu"))
+    model.config._attn_implementation = attention
+    return Learner(model, None, None, None, tokenizer.pad_token_id, torch.device(device), bool)
+
+
+@pytest.mark.parametrize(("device", "attention"), [("meta", "sdpa"), ("cpu", "eager")])
+def test_trees_only_on_the_cpu_with_sdpa(device, attention):
+    rows = groups(random.Random(4))
+    assert any(tree is not None for _, tree in pass_batches(learner_on("cpu"), rows, 16))
+    passes = pass_batches(learner_on(device, attention), rows, 16)
+    assert all(tree is None for _, tree in passes)
+    assert sorted(len(chunk) for chunk, _ in passes) == [15]
+
+
+def test_keys_per_token_of_the_tiny_model():
+    model, _ = load_model_and_tokenizer("tiny-master", torch.device("cpu"))
+    parameters = sum(p.numel() for p in model.parameters())
+    assert attention_keys_per_token(model) == parameters / (2 * 128 * 4)
+    assert 900 < attention_keys_per_token(model) < 1200
