@@ -34,7 +34,10 @@ def model_of(config_class, **extra):
 
 
 MODELS = {
-    "qwen2 (grouped-query, q/k/v bias)": lambda: model_of(Qwen2Config),
+    # An MLP 4x as wide as the stream: the fused step's down projection in slices of its
+    # reduction (static_decode.SPLIT, at any depth and row count here), summed by the next
+    # norm's kernel.
+    "qwen2 (grouped-query, q/k/v bias)": lambda: model_of(Qwen2Config, intermediate_size=256),
     # One query head a kv head: the attention kernel's CUDA-core path in float32.
     "llama (attention and MLP biases)": lambda: model_of(
         LlamaConfig, attention_bias=True, mlp_bias=True, num_key_value_heads=4
@@ -89,18 +92,20 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
     (the interpreter must be chosen before Triton is first imported)."""
     from transformers import AutoTokenizer
 
-    from rlcore.policy import decode_kernels
+    from rlcore.policy import decode_kernels, static_decode
 
     # The interpreter runs programs one at a time: attention split over a few parts a row,
     # not over the card's worth of programs (each path alone: check_kernels_one_by_one).
     decode_kernels.ATTENTION_PROGRAMS = 8
     decode_kernels.ATTENTION_TILES = {True: (128, 1), False: (32, 1)}
+    static_decode.SPLIT_ROWS = static_decode.SPLIT_DEPTH = 1  # the down projection's slices
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     dynamic, static = engines(MODELS[name](), tokenizer)
     expected, got = replies(dynamic, count=4), replies(static, count=4)
     # One row alone takes the gemv kernels.
     one_expected, one_got = replies(dynamic, count=1), replies(static, count=1)
     kernels, kernel_attention = static._static.kernels, static._static.kernel_attention
+    split = all(fused.down is not None for fused in static._static._fused)
     sampled_kernels = replies(static, count=4, temperature=1.0)
     static._static.kernels = static._static.kernel_attention = False
     sampled_torch = replies(static, count=4, temperature=1.0)
@@ -112,6 +117,7 @@ def compare_kernels_with_torch_ops(name: str, tiny_path: str) -> dict:
     return {
         "kernels": kernels,
         "kernel_attention": kernel_attention,
+        "split": split,
         "greedy_same": [g.completion_ids for g in got] == [g.completion_ids for g in expected],
         "one_row_same": one_got[0].completion_ids == one_expected[0].completion_ids,
         "one_row_gap": max(
@@ -140,6 +146,7 @@ def test_the_fused_kernels_give_the_torch_ops_results(name, default_tiny_model):
     assert result["kernels"]  # the interpreter made them available on the CPU
     # The attention kernel runs where it pays: one query head a kv head in float32.
     assert result["kernel_attention"] == (name.startswith("llama"))
+    assert result["split"] == name.startswith("qwen2")  # its MLP is 4x the stream
     assert result["greedy_same"] and result["greedy_tokens"] > 0
     assert result["logprob_gap"] < 1e-4
     assert result["one_row_same"] and result["one_row_gap"] < 1e-4
@@ -213,6 +220,12 @@ def check_kernels_one_by_one() -> dict:
     normed = decode_kernels.add_rms_norm(x, bias, residual, norm)
     gaps["add_rms_norm, residual"] = (residual - expected_residual).abs().max().item()
     gaps["add_rms_norm, norm"] = (normed - norm(expected_residual)).abs().max().item()
+    # A product's output in slices of its reduction, summed on the way in.
+    parts, residual = torch.randn(4, 5, 48), torch.randn(5, 48)
+    expected_residual = residual + (parts.sum(0) + bias)
+    normed = decode_kernels.add_rms_norm(parts, bias, residual, norm)
+    gaps["add_rms_norm of parts, residual"] = (residual - expected_residual).abs().max().item()
+    gaps["add_rms_norm of parts, norm"] = (normed - norm(expected_residual)).abs().max().item()
     # One row's projections with the work before them (K not a multiple of the block).
     weight, x, bias, residual = (
         torch.randn(70, 300),
@@ -366,7 +379,7 @@ def test_each_kernel_gives_its_torch_ops_result():
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     gaps = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(gaps) == 31
+    assert len(gaps) == 33
     for name, gap in gaps.items():
         assert gap < 1e-4, name
 

@@ -158,8 +158,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x, x_row_stride, bias, residual, weight, normed, width, eps,
-        BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+        x, x_row_stride, x_part_stride, bias, residual, weight, normed, width, eps,
+        BLOCK: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -168,7 +168,15 @@ if triton is not None:
         offsets = tl.arange(0, BLOCK)
         inside = offsets < width
         dtype = residual.dtype.element_ty
-        value = tl.load(x + row * x_row_stride + offsets, mask=inside, other=0.0)
+        if PARTS == 1:
+            value = tl.load(x + row * x_row_stride + offsets, mask=inside, other=0.0)
+        else:  # a product's slices of its reduction, summed in float32 and rounded once
+            value = tl.zeros((BLOCK,), dtype=tl.float32)
+            for part in tl.static_range(PARTS):
+                value += tl.load(
+                    x + part * x_part_stride + row * x_row_stride + offsets, mask=inside, other=0.0
+                ).to(tl.float32)
+            value = value.to(dtype)
         if HAS_BIAS:
             added = tl.load(bias + offsets, mask=inside, other=0.0).to(tl.float32)
             value = (value.to(tl.float32) + added).to(dtype)
@@ -742,13 +750,14 @@ def decode_attention(query, keys, values, mask, width: int, last_slot, dot: bool
 def add_rms_norm(x, bias, residual, norm):
     """`residual` += `x` (+ `bias` unless None), in place ([rows, width], contiguous), and
     returns the RMSNorm `norm` (weight and `variance_epsilon`, the Llama family's) of the
-    new residual."""
+    new residual. `x` [parts, rows, width]: a product's slices of its reduction, summed."""
     rows, width = residual.shape
+    parts = x if x.dim() == 3 else x[None]
     normed = torch.empty_like(residual)
     _add_rms_norm_kernel[(rows,)](
-        x, x.stride(0), x if bias is None else bias, residual, norm.weight, normed, width,
-        norm.variance_epsilon, BLOCK=triton.next_power_of_2(width), HAS_BIAS=bias is not None,
-        **dependent_launch(residual.device),
+        parts, parts.stride(1), parts.stride(0), x if bias is None else bias, residual,
+        norm.weight, normed, width, norm.variance_epsilon, BLOCK=triton.next_power_of_2(width),
+        PARTS=parts.shape[0], HAS_BIAS=bias is not None, **dependent_launch(residual.device),
     )  # fmt: skip
     return normed
 
