@@ -301,11 +301,14 @@ class _FusedLayer:
         )
 
     @classmethod
-    def of(cls, layer) -> _FusedLayer:
+    def of(cls, layer, sliced: bool) -> _FusedLayer:
+        """The layer's copies; `sliced`: the down projection's too, where it is deep enough
+        (the fused kernels' step slices it)."""
         stacked = [_stack(linears) for linears in cls.sources(layer)]
         hidden, intermediate = layer.mlp.down_proj.weight.shape
         down = None
-        if intermediate % SPLIT == 0 and intermediate // SPLIT >= max(SPLIT_DEPTH, hidden):
+        deep = intermediate % SPLIT == 0 and intermediate // SPLIT >= max(SPLIT_DEPTH, hidden)
+        if sliced and deep:
             with torch.no_grad():
                 down = _split_reduction(layer.mlp.down_proj.weight).contiguous()
         return cls(*stacked[0], *stacked[1], down)
@@ -694,7 +697,7 @@ class StaticDecoder:
             self._drop_graphs()
             self._weights = addresses
             self._fused = []  # the old copies go before the new ones are made
-            self._fused = [_FusedLayer.of(layer) for layer in layers]
+            self._fused = [_FusedLayer.of(layer, self.kernels) for layer in layers]
             if self.workspace is not None:
                 self._fill_rope_table(self.workspace)
         else:

@@ -239,10 +239,10 @@ class TokenTree:
 
 def token_tree(chunk: list[TrainingSequence], device) -> TokenTree:
     """The chunk's sequences as one trie (`TokenTree`), its targets as wide as the CPU's
-    `collate` makes them (the longest sequence's). Inserted in token order, the nodes come depth first: a node's subtree is the run of nodes
-    after it, up to where the last sequence through it ends its new nodes (`ends`), so node i
-    attends node j exactly when j <= i < ends[j]. A row's targets past its end read node 0
-    (their weight is 0)."""
+    `collate` makes them (the longest sequence's). Inserted in token order, the nodes come
+    depth first: a node's subtree is the run of nodes after it, up to where the last sequence
+    through it ends its new nodes (`ends`), so node i attends node j exactly when
+    j <= i < ends[j]. A row's targets past its end read node 0 (their weight is 0)."""
     total, width = sum(len(s.input_ids) for s in chunk), max(len(s.input_ids) for s in chunk)
     tokens, depths, ends = (np.zeros(total, np.int64) for _ in range(3))
     nodes = np.zeros((len(chunk), width - 1), np.int64)
