@@ -90,6 +90,7 @@ from rlcore.train.distributed import (
 from rlcore.train.sampling import StratifiedSampler, rollout_sample, sample_places
 from rlcore.train.select import choose_save
 from rlcore.train.sequences import (
+    TokenTree,
     TrainingSequence,
     collate,
     micro_batches,
@@ -432,7 +433,9 @@ def attention_keys_per_token(model) -> float:
     return weights / (2 * config.hidden_size * config.num_hidden_layers)
 
 
-def pass_batches(learner: Learner, sequences, size: int) -> list[tuple[list, object]]:
+def pass_batches(
+    learner: Learner, sequences: list[TrainingSequence], size: int
+) -> list[tuple[list[TrainingSequence], TokenTree | None]]:
     """The micro-batches of a pass over `sequences`, each with its token tree or None (the
     plain pass). On the CPU, where the update is most of a step and FLOP-bound on its tokens,
     sequences that share prefixes (a group's prompt, and its games' common moves) run as
