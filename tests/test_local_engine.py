@@ -200,3 +200,38 @@ def test_a_prompt_longer_than_the_context_is_refused(engine):
     too_long = [{"role": "user", "content": "x" * (engine.context_length + 10)}]
     with pytest.raises(PolicyError, match="context of 2048"):
         asyncio.run(engine.generate(too_long, SamplingParams(max_tokens=4)))
+
+
+@pytest.mark.parametrize("prefix_cache_bytes", [None, 0])
+def test_rows_with_one_prompt_are_prefilled_once_and_sample_their_own_tokens(
+    default_tiny_model, monkeypatch, prefix_cache_bytes
+):
+    """A group's rollouts start from one prompt: the batch's prefill runs each distinct
+    prompt once, and every copy draws its own reply, the one it draws alone (seeded), with
+    the logprobs of a plain forward pass."""
+    engine = LocalEngine(default_tiny_model, device="cpu", prefix_cache_bytes=prefix_cache_bytes)
+    prefilled = []
+    forward = LocalEngine._forward
+
+    def counting(self, input_ids, *rest):
+        if input_ids.shape[1] > 1:
+            prefilled.append(input_ids.shape[0])
+        return forward(self, input_ids, *rest)
+
+    monkeypatch.setattr(LocalEngine, "_forward", counting)
+    prompts = [conversation(index % 3) for index in range(12)]
+    samplings = [SamplingParams(temperature=1.0, max_tokens=12, seed=40 + i) for i in range(12)]
+
+    async def together():
+        return await asyncio.gather(
+            *(engine.generate(p, s) for p, s in zip(prompts, samplings, strict=True))
+        )
+
+    batched = asyncio.run(together())
+    assert prefilled[0] == 3  # 12 rows, 3 distinct prompts
+    assert len({tuple(g.completion_ids) for g in batched}) > 3  # copies drew their own
+    for prompt, sampling, generation in zip(prompts, samplings, batched, strict=True):
+        alone = asyncio.run(engine.generate(prompt, sampling))
+        assert alone.completion_ids == generation.completion_ids
+        expected = reference_logprobs(engine, generation.prompt_ids, generation.completion_ids, 1.0)
+        assert generation.logprobs == pytest.approx(expected, abs=1e-4)

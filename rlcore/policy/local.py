@@ -545,12 +545,29 @@ class LocalEngine(Policy):
         eos = torch.tensor(sorted(self.eos_token_ids), device=device)
         shrink_at = 0.75 if device == "cpu" else 0.5
 
+        # Rows with the same prompt (a group's first turn: its rollouts start from one
+        # example) are prefilled once; the copies take its keys, values and logits.
+        seen: dict[tuple[int, ...], int] = {}
+        source = [seen.setdefault(tuple(r.prompt_ids), row) for row, r in enumerate(requests)]
+        firsts = sorted(seen.values())
         if self._plain_layers:
-            prefix = self._cached_keys_values(prefixes, cached) if cached else None
+            prefix = (
+                self._cached_keys_values([prefixes[row] for row in firsts], cached)
+                if cached
+                else None
+            )
             cache = growing_cache(self.model.config, prefix)
         else:
             cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if len(firsts) < batch_size:
+            pick = torch.tensor(firsts, device=device)
+            logits = self._forward(input_ids[pick], attention_mask[pick], position_ids[pick], cache)
+            at = {row: index for index, row in enumerate(firsts)}
+            spread = torch.tensor([at[row] for row in source], device=device)
+            cache.batch_select_indices(spread)
+            logits = logits[spread]
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         next_position = position_ids[:, -1:] + 1
         rows = list(range(batch_size))  # batch row -> request index
         finished = [False] * batch_size
