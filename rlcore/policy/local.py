@@ -547,9 +547,15 @@ class LocalEngine(Policy):
 
         # Rows with the same prompt (a group's first turn: its rollouts start from one
         # example) are prefilled once; the copies take its keys, values and logits.
-        seen: dict[tuple[int, ...], int] = {}
-        source = [seen.setdefault(tuple(r.prompt_ids), row) for row, r in enumerate(requests)]
-        firsts = sorted(seen.values())
+        seen: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
+        firsts: list[int] = []  # each distinct prompt's first row
+        copy_of: list[int] = []  # each row's distinct prompt
+        for row, request in enumerate(requests):
+            key = tuple(request.prompt_ids)
+            if key not in seen:
+                seen[key] = len(firsts)
+                firsts.append(row)
+            copy_of.append(seen[key])
         if self._plain_layers:
             prefix = (
                 self._cached_keys_values([prefixes[row] for row in firsts], cached)
@@ -562,8 +568,7 @@ class LocalEngine(Policy):
         if len(firsts) < batch_size:
             pick = torch.tensor(firsts, device=device)
             logits = self._forward(input_ids[pick], attention_mask[pick], position_ids[pick], cache)
-            at = {row: index for index, row in enumerate(firsts)}
-            spread = torch.tensor([at[row] for row in source], device=device)
+            spread = torch.tensor(copy_of, device=device)
             cache.batch_select_indices(spread)
             logits = logits[spread]
         else:
