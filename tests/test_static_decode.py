@@ -191,6 +191,50 @@ def test_rounds_split_by_memory_give_the_same_replies(engines, monkeypatch):
     assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
 
 
+@pytest.mark.parametrize("store", [False, True])
+def test_a_prefix_every_prompt_shares_is_prefilled_once_with_the_same_replies(
+    engines, monkeypatch, store
+):
+    """Every prompt starts with the same system turn: prefilled in one row and copied to the
+    others (the threshold lowered so the tiny model shares), the replies and logprobs are the
+    dynamic loop's. With the prefix store, the second call's rows (second turns, new
+    conversations) all load stored keys that hold the shared part: nothing to share again."""
+    dynamic, _ = engines
+    monkeypatch.setattr(static_decode, "SHARED_PREFILL_FLOPS", 0)
+    static = LocalEngine(
+        model=dynamic.model,
+        tokenizer=dynamic.tokenizer,
+        decode="static",
+        prefix_cache_bytes=None if store else 0,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+
+    def compare(conversations):
+        async def run(engine):
+            return await asyncio.gather(*(engine.generate(c, greedy) for c in conversations))
+
+        expected, got = asyncio.run(run(dynamic)), asyncio.run(run(static))
+        assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
+        for mine, theirs in zip(got, expected, strict=True):
+            assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+        return got
+
+    first_turns = [conversation(i) for i in range(6)]
+    replies = compare(first_turns)
+    assert static._static.shared_prefills == 1
+    second_turns = [
+        [*c, {"role": "assistant", "content": r.text}, {"role": "user", "content": "Again."}]
+        for c, r in zip(first_turns, replies, strict=True)
+    ]
+    hits_before = static.prefix_cache.hits if store else 0
+    compare(second_turns + [conversation(i) for i in range(6, 12)])
+    if store:
+        assert static.prefix_cache.hits - hits_before == 12
+        assert static._static.shared_prefills == 1
+    else:
+        assert static._static.shared_prefills == 2
+
+
 def test_weights_changed_in_place_are_seen_by_the_next_generation(tmp_path):
     from rlcore.policy.tiny import build_tiny_model
 
