@@ -911,6 +911,8 @@ class StaticDecoder:
         from a stored prefix. Every row keeps at least one token of its own to prefill."""
         head = requests[0].prompt_ids
         shared = min(len(r.prompt_ids) for r in requests) - 1
+        if (len(requests) - 1) * shared * self.flops_per_token < SHARED_PREFILL_FLOPS:
+            return found  # not worth even looking (the tiny model's rounds: no host cost)
         for request in requests[1:]:
             if shared == 0:
                 return found
