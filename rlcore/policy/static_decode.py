@@ -9,6 +9,8 @@ length so every row writes its next token to the same slot, and one decode step 
 sampling, bookkeeping, all on the device) is captured once per (row bucket, length bucket,
 nucleus on/off) and replayed. Finished rows stay in the batch, masked, until the live ones
 fit a smaller row bucket; the host reads the device only every `CHECK_EVERY` steps.
+A prefix every prompt of a round begins with (a system turn) is prefilled once and copied
+to the other rows, where that saves more arithmetic than the extra prefill costs.
 
 Sampling takes its uniforms from a counter-based hash of (row seed, token index), so a
 seeded request draws the same tokens whatever shares its batch, with no generator object
