@@ -198,7 +198,8 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once_with_the_same_replies(
     """Every prompt starts with the same system turn: prefilled in one row and copied to the
     others (the threshold lowered so the tiny model shares), the replies and logprobs are the
     dynamic loop's. With the prefix store, the second call's rows (second turns, new
-    conversations) all load stored keys that hold the shared part: nothing to share again."""
+    conversations) all load stored keys that hold the shared part: nothing to share again;
+    rows the store cannot serve share beside rows it can."""
     dynamic, _ = engines
     monkeypatch.setattr(static_decode, "SHARED_PREFILL_FLOPS", 0)
     static = LocalEngine(
@@ -231,6 +232,16 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once_with_the_same_replies(
     if store:
         assert static.prefix_cache.hits - hits_before == 12
         assert static._static.shared_prefills == 1
+        # Rows the store serves beside rows it cannot (another system turn, sharing only
+        # its first tokens with the stored ones): the latter share those between them.
+        others = [
+            [{"role": "system", "content": "Play."}, {"role": "user", "content": f"Board {i}"}]
+            for i in range(4)
+        ]
+        hits_before = static.prefix_cache.hits
+        compare(second_turns[:3] + others)
+        assert static.prefix_cache.hits - hits_before == 3
+        assert static._static.shared_prefills == 2
     else:
         assert static._static.shared_prefills == 2
 

@@ -404,7 +404,7 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._weights: tuple | None = None
-        # A forward pass's multiply-adds per token, about (embeddings included).
+        # A forward pass's floating-point operations a token, about (2 a parameter).
         self.flops_per_token = 2 * sum(p.numel() for p in model.parameters())
         self.captures = self.compactions = self.rounds = self.shared_prefills = 0
 
