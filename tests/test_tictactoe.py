@@ -28,6 +28,7 @@ from rlcore.envs.tictactoe_game import (
     render_board,
     sound_moves,
     think_text,
+    winner,
     winning_cells,
 )
 from rlcore.envs.tictactoe_play import PlaySession
@@ -699,6 +700,26 @@ def test_format_reward_is_the_share_of_good_replies():
 )
 def test_parse_move(text, cell, error):
     assert parse_move(text, "X........") == (cell, error)
+
+
+def test_remembered_answers_are_fresh_and_checked():
+    """The rules' answers are remembered per board (a game asks them many times a turn):
+    a caller that changes a returned list changes nothing after it, a board is still
+    checked where it is not a remembered one, and a taken cell is read off each board."""
+    board = "XO.X..O.."
+    cells = empty_cells(board)
+    cells.append(99)
+    assert empty_cells(board) == [2, 4, 5, 7, 8]
+    sound = sound_moves(board, "X")
+    expected = list(sound)
+    sound.clear()
+    assert sound_moves(board, "X") == expected != []
+    assert sound_moves(list(board), "X") == expected
+    for bad in ("XO.X..O.", "XO.X..O.Z", ["X"] * 8):
+        with pytest.raises(ValueError, match="a board is 9 cells"):
+            winner(bad)
+    assert parse_move("<move>2</move>", "XO.X..O..") == (2, None)
+    assert parse_move("<move>2</move>", "XOXX..O..") == (None, "cell 2 is taken")
 
 
 @given(st.text(), st.integers(min_value=0, max_value=8))

@@ -17,7 +17,7 @@ import random
 import re
 from collections.abc import Sequence
 from fractions import Fraction
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from rlcore.parsers import ThinkParser, XMLParser
@@ -49,10 +49,16 @@ MAX_MOVE_CHARS = 4
 def board_string(board: Sequence[str] | str) -> str:
     """The board as a 9-character string, or ValueError naming what was wrong."""
     text = board if isinstance(board, str) else "".join(board)
+    if text in _BOARDS:  # checked before: a game asks of its board many times a turn
+        return text
     # Stripping the three cell marks leaves nothing exactly when every cell is one of them.
     if len(text) != 9 or text.strip("XO" + EMPTY):
         raise ValueError(f"a board is 9 cells, each 'X', 'O' or '{EMPTY}'; got {board!r}")
+    _BOARDS.add(text)  # at most 3^9 strings, so the set stays small
     return text
+
+
+_BOARDS: set[str] = set()
 
 
 def check_mark(mark: str) -> str:
@@ -67,7 +73,11 @@ def other_mark(mark: str) -> str:
 
 def winner(board: Sequence[str] | str) -> str | None:
     """'X' or 'O' if that mark has three in a row, else None."""
-    text = board_string(board)
+    return _winner(board_string(board))
+
+
+@cache
+def _winner(text: str) -> str | None:
     for a, b, c in LINES:
         if text[a] != EMPTY and text[a] == text[b] == text[c]:
             return text[a]
@@ -75,11 +85,17 @@ def winner(board: Sequence[str] | str) -> str | None:
 
 
 def empty_cells(board: Sequence[str] | str) -> list[int]:
-    return [i for i, cell in enumerate(board_string(board)) if cell == EMPTY]
+    return list(_empty_cells(board_string(board)))
+
+
+@cache
+def _empty_cells(text: str) -> tuple[int, ...]:
+    return tuple(i for i, cell in enumerate(text) if cell == EMPTY)
 
 
 def game_over(board: Sequence[str] | str) -> bool:
-    return winner(board) is not None or not empty_cells(board)
+    text = board_string(board)
+    return _winner(text) is not None or EMPTY not in text
 
 
 def render_board(board: Sequence[str] | str) -> str:
@@ -136,9 +152,14 @@ def sound_moves(board: Sequence[str] | str, player: str) -> list[int]:
     from a lost one every move. A player who only ever makes sound moves never loses a
     game it could draw and never draws one it could win; unlike `minimax_best_moves`,
     slower wins and every drawing move count."""
-    values = move_values(board, player)
+    return list(_sound_moves(board_string(board), check_mark(player)))
+
+
+@cache
+def _sound_moves(text: str, player: str) -> tuple[int, ...]:
+    values = move_values(text, player)
     best = max(values.values())
-    return [cell for cell, value in values.items() if value == best]
+    return tuple(cell for cell, value in values.items() if value == best)
 
 
 def minimax_best_moves(board: Sequence[str] | str, player: str) -> list[int]:
@@ -198,10 +219,14 @@ def oracle_best_moves(board: Sequence[str] | str, player: str) -> list[int]:
     """The oracle's candidates: among `minimax_best_moves` (so it never loses and wins as
     fast as it can), those that give an opponent playing at random the most chances to
     go wrong. Exact ties (symmetric cells, say) all stay in, to be picked at random."""
-    text = board_string(board)
-    chances = _safe_move_chances(text, check_mark(player))
+    return list(_oracle_best_moves(board_string(board), check_mark(player)))
+
+
+@cache
+def _oracle_best_moves(text: str, player: str) -> tuple[int, ...]:
+    chances = _safe_move_chances(text, player)
     best = max(chances.values())
-    return [cell for cell, chance in chances.items() if chance == best]
+    return tuple(cell for cell, chance in chances.items() if chance == best)
 
 
 def stable_seed(*parts: Any) -> int:
@@ -238,6 +263,17 @@ def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None
     The move is the last `<move>` tag after the optional think block, so a move merely
     mentioned while thinking does not count.
     """
+    cell, error = _read_move(text)
+    if error is not None:
+        return None, error
+    if board_string(board)[cell] != EMPTY:
+        return None, f"cell {cell} is taken"
+    return cell, None
+
+
+@lru_cache(maxsize=4096)  # a policy's replies repeat (the same move in the same words)
+def _read_move(text: str | None) -> tuple[int | None, str | None]:
+    """The cell 0-8 a reply's last move tag names, whatever the board, or what was wrong."""
     _, answer = think_parser.parse(text)
     raw = _move_parser.parse_answer(answer, "move")
     if raw is None or not re.fullmatch(r"[+-]?[0-9]+", raw):
@@ -249,17 +285,16 @@ def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None
     cell = int(raw)
     if not 0 <= cell <= 8:
         return None, f"cell {cell} is not in 0-8"
-    if board_string(board)[cell] != EMPTY:
-        return None, f"cell {cell} is taken"
     return cell, None
 
 
 def result_for(board: Sequence[str] | str, model_mark: str) -> str | None:
     """'win', 'loss' or 'draw' from the model's view once the game is over, else None."""
-    won_by = winner(board)
+    text = board_string(board)
+    won_by = _winner(text)
     if won_by is not None:
         return "win" if won_by == model_mark else "loss"
-    return "draw" if not empty_cells(board) else None
+    return "draw" if EMPTY not in text else None
 
 
 def random_opening(board: list[str], model_mark: str, rounds: int, rng: random.Random) -> list[int]:
@@ -298,14 +333,17 @@ def play_move(board: list[str], moves: list[dict], cell: int, mark: str, player:
 
 def winning_cells(board: Sequence[str] | str, mark: str) -> list[int]:
     """The empty cells that would complete a line of `mark` (a win for it on the spot)."""
-    text = board_string(board)
-    check_mark(mark)
+    return list(_winning_cells(board_string(board), check_mark(mark)))
+
+
+@cache
+def _winning_cells(text: str, mark: str) -> tuple[int, ...]:
     cells = set()
     for line in LINES:
         marks = [text[i] for i in line]
         if marks.count(mark) == 2 and marks.count(EMPTY) == 1:
             cells.add(line[marks.index(EMPTY)])
-    return sorted(cells)
+    return tuple(sorted(cells))
 
 
 def missed_tactic(board: Sequence[str] | str, cell: int, mark: str) -> tuple[str, list[int]] | None:
