@@ -720,6 +720,9 @@ def test_remembered_answers_are_fresh_and_checked():
             winner(bad)
     assert parse_move("<move>2</move>", "XO.X..O..") == (2, None)
     assert parse_move("<move>2</move>", "XOXX..O..") == (None, "cell 2 is taken")
+    long_reply = f"<think>{'x' * 5000}</think><move>4</move>"
+    assert parse_move(long_reply, "XO.X..O..") == (4, None)
+    assert parse_move(long_reply, "XO.XX.O..") == (None, "cell 4 is taken")
 
 
 @given(st.text(), st.integers(min_value=0, max_value=8))

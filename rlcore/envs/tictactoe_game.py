@@ -263,7 +263,10 @@ def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None
     The move is the last `<move>` tag after the optional think block, so a move merely
     mentioned while thinking does not count.
     """
-    cell, error = _read_move(text)
+    # A policy's replies repeat (the same move in the same words): short ones are
+    # remembered, at most 4,096 of them, so a long reply costs no memory kept.
+    read = _remembered_move if text is None or len(text) <= 256 else _read_move
+    cell, error = read(text)
     if error is not None:
         return None, error
     if board_string(board)[cell] != EMPTY:
@@ -271,7 +274,6 @@ def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None
     return cell, None
 
 
-@lru_cache(maxsize=4096)  # a policy's replies repeat (the same move in the same words)
 def _read_move(text: str | None) -> tuple[int | None, str | None]:
     """The cell 0-8 a reply's last move tag names, whatever the board, or what was wrong."""
     _, answer = think_parser.parse(text)
@@ -286,6 +288,9 @@ def _read_move(text: str | None) -> tuple[int | None, str | None]:
     if not 0 <= cell <= 8:
         return None, f"cell {cell} is not in 0-8"
     return cell, None
+
+
+_remembered_move = lru_cache(maxsize=4096)(_read_move)
 
 
 def result_for(board: Sequence[str] | str, model_mark: str) -> str | None:
