@@ -265,7 +265,8 @@ def parse_move(text: str | None, board: Sequence[str] | str) -> tuple[int | None
     """
     # A policy's replies repeat (the same move in the same words): short ones are
     # remembered, at most 4,096 of them, so a long reply costs no memory kept.
-    read = _remembered_move if text is None or len(text) <= 256 else _read_move
+    short = text is None or len(text) <= REMEMBERED_REPLY_CHARS
+    read = _remembered_move if short else _read_move
     cell, error = read(text)
     if error is not None:
         return None, error
@@ -290,6 +291,7 @@ def _read_move(text: str | None) -> tuple[int | None, str | None]:
     return cell, None
 
 
+REMEMBERED_REPLY_CHARS = 256
 _remembered_move = lru_cache(maxsize=4096)(_read_move)
 
 
