@@ -1,8 +1,8 @@
 """The update's compiled pass (`RLConfig.compile`, used on CUDA) against the eager one: one
-graph for every batch shape, the same logprobs, entropy, judged-move mass and gradients.
-Compiled here on the CPU (~45 s on 2 cores): the CUDA kernels differ, and the card's figures
-are in docs/BENCHMARKS.md, but the graph, its dynamic shapes and its inductor options are
-the same."""
+graph for every batch shape (the head at the trained targets, as the update runs it), the
+same logprobs, entropy, judged-move mass and gradients. Compiled here on the CPU (~45 s on
+2 cores): the CUDA kernels differ, and the card's figures are in docs/BENCHMARKS.md, but the
+graph, its dynamic shapes and its inductor options are the same."""
 
 import torch
 
@@ -31,11 +31,14 @@ def test_one_compiled_graph_matches_the_eager_pass_as_the_batch_shape_changes():
             torch.randint(0, width - 1, (count,), generator=generator),
             torch.randint(-1, 400, (count, 3), generator=generator),
         )
+        # The head at a third of the targets (grpo.token_logprobs' `trained`), as the update runs.
+        trained = torch.randperm(rows * (width - 1), generator=generator)[: rows * width // 3]
+        trained = trained.sort().values
         results = []
         for forward in (token_logprobs, compiled):
             model.zero_grad(set_to_none=True)
-            logprobs, entropy, best = forward(model, ids, 0.8, True, move_sets)
-            (logprobs.sum() + entropy.sum() + best.sum()).backward()
+            logprobs, entropy, best = forward(model, ids, 0.8, True, move_sets, None, trained)
+            (logprobs.sum() + entropy.sum() + best.sum()).backward()  # zeros off `trained`
             gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
             results.append((logprobs.detach(), entropy.detach(), best.detach(), gradient))
         # fp32 both ways; fused kernels sum in another order (gradients: ~1e-4 of 1.1 M sums).

@@ -100,6 +100,7 @@ from rlcore.train.sequences import (
     think_length,
     to_device,
     token_tree,
+    trained_targets,
     training_sequences,
     tree_batches,
 )
@@ -306,8 +307,21 @@ def policy_loss(
     return total, stats
 
 
+# Causal LMs whose logits are their head on the body's last hidden states, nothing after
+# (no softcap or scale): their training pass runs the head at the trained targets only.
+PLAIN_HEAD_ARCHITECTURES = frozenset(
+    {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}
+)
+
+
 def token_logprobs(
-    model, input_ids, temperature: float, with_entropy=False, move_sets=None, tree=None
+    model,
+    input_ids,
+    temperature: float,
+    with_entropy=False,
+    move_sets=None,
+    tree=None,
+    trained=None,
 ):
     """Logprob of every next token under softmax(logits / temperature), shape [B, T-1]
     (the distribution the engine sampled from), optionally its entropy, and with
@@ -322,12 +336,24 @@ def token_logprobs(
 
     With `tree` (sequences.token_tree) the pass runs over the rows' token trie instead, each
     shared prefix once, and every row's values are read from its prefixes' nodes: the same
-    numbers, and the same gradient (a node's share flows back from every row through it)."""
+    numbers, and the same gradient (a node's share flows back from every row through it).
+
+    With `trained` (sequences.trained_targets: flat indices of the targets the loss reads)
+    and a model of `PLAIN_HEAD_ARCHITECTURES`, the head and everything vocabulary-wide run at
+    those targets and the judged moves' only (a tic-tac-toe game trains ~1 token in 7), and
+    every other target's logprob and entropy is 0: the same numbers where the loss reads."""
+    if trained is not None and type(model).__name__ in PLAIN_HEAD_ARCHITECTURES:
+        return _trained_logprobs(
+            model, input_ids, temperature, with_entropy, move_sets, tree, trained
+        )
     if tree is None:
-        logits = model(input_ids=input_ids).logits[:, :-1]
+        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
     else:
         logits = model(
-            input_ids=tree.input_ids, position_ids=tree.positions, attention_mask=tree.mask
+            input_ids=tree.input_ids,
+            position_ids=tree.positions,
+            attention_mask=tree.mask,
+            use_cache=False,
         ).logits[0]
     logits = logits.float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
@@ -347,6 +373,47 @@ def token_logprobs(
         picked = logits[where].gather(-1, members.clamp(min=0))
         picked = picked.masked_fill(members < 0, float("-inf"))
         best = torch.logsumexp(picked, dim=-1) - log_normalizer[where]
+    return logprobs, entropy, best
+
+
+def _trained_logprobs(model, input_ids, temperature, with_entropy, move_sets, tree, trained):
+    """`token_logprobs` with the head at the `trained` targets and the judged moves only."""
+    rows, width = input_ids.shape
+    if tree is None:
+        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        # Target t of a row is predicted by its position t: row * width + t in the flat states.
+        at = trained + trained // (width - 1)
+    else:
+        hidden = model.model(
+            input_ids=tree.input_ids,
+            position_ids=tree.positions,
+            attention_mask=tree.mask,
+            use_cache=False,
+        ).last_hidden_state
+        at = tree.nodes.reshape(-1)[trained]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+
+    def head(where):
+        logits = model.lm_head(hidden[where]).float() / temperature
+        return logits, torch.logsumexp(logits, dim=-1)
+
+    logits, log_normalizer = head(at)
+    targets = input_ids[:, 1:].reshape(-1)[trained]
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normalizer
+    shape = (rows, width - 1)
+    logprobs = picked.new_zeros(rows * (width - 1)).index_put((trained,), picked).view(shape)
+    entropy = None
+    if with_entropy:
+        spread = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        entropy = spread.new_zeros(rows * (width - 1)).index_put((trained,), spread).view(shape)
+    best = None
+    if move_sets is not None:
+        move_rows, move_at, members = move_sets
+        where = move_rows * width + move_at if tree is None else tree.nodes[move_rows, move_at]
+        move_logits, move_normalizer = head(where)
+        chosen = move_logits.gather(-1, members.clamp(min=0))
+        chosen = chosen.masked_fill(members < 0, float("-inf"))
+        best = torch.logsumexp(chosen, dim=-1) - move_normalizer
     return logprobs, entropy, best
 
 
@@ -489,11 +556,16 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
         if learner.should_stop():
             raise StepStopped(f"scoring: micro-batch {index + 1} of {len(passes)} not run")
         input_ids, _, weights, _ = collate(chunk, learner.pad_id, learner.device)
+        trained = trained_targets(chunk, input_ids.shape[1], learner.device)
         with autocast(learner.device):
-            old, entropy, _ = token_logprobs(learner.model, input_ids, temperature, True, tree=tree)
+            old, entropy, _ = token_logprobs(
+                learner.model, input_ids, temperature, True, tree=tree, trained=trained
+            )
             ref = None
             if learner.reference is not None:
-                ref, *_ = token_logprobs(learner.reference, input_ids, temperature, tree=tree)
+                ref, *_ = token_logprobs(
+                    learner.reference, input_ids, temperature, tree=tree, trained=trained
+                )
         sums.add(sampling_stats(chunk, old, entropy, weights))
         for row, sequence in enumerate(chunk):
             length = len(sequence.input_ids) - 1
@@ -527,17 +599,27 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     chunks = [chunk for chunk, _ in passes]
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
+    targets = [
+        trained_targets(chunk, batch[0].shape[1], learner.device)
+        for chunk, batch in zip(chunks, batches, strict=True)
+    ]
     forward = training_pass(cfg, learner.device)
     for iteration in range(cfg.num_iterations):
-        for index, ((chunk, tree), batch, sets) in enumerate(
-            zip(passes, batches, move_sets, strict=True)
+        for index, ((chunk, tree), batch, sets, trained) in enumerate(
+            zip(passes, batches, move_sets, targets, strict=True)
         ):
             if iteration == 0 and learner.should_stop():
                 raise StepStopped(f"update 1: micro-batch {index + 1} of {len(chunks)} not run")
             input_ids, _, weights, advantages = batch
             with autocast(learner.device):
                 logprobs, entropy, best = forward(
-                    learner.model, input_ids, cfg.sampling.temperature, single_pass, sets, tree
+                    learner.model,
+                    input_ids,
+                    cfg.sampling.temperature,
+                    single_pass,
+                    sets,
+                    tree,
+                    trained,
                 )
             width, device = weights.shape[1], learner.device
             if single_pass:

@@ -295,6 +295,18 @@ def collate(chunk: list[TrainingSequence], pad_id: int, device) -> tuple[torch.T
     return input_ids, attention_mask, weights, advantages
 
 
+def trained_targets(chunk: list[TrainingSequence], width: int, device) -> torch.Tensor:
+    """The targets the loss reads (weight > 0) of a micro-batch collated `width` tokens wide,
+    as flat indices into its [rows, width - 1] targets, in row-major order: where the
+    training pass needs the vocabulary's logits (`grpo.token_logprobs`). Built on the host
+    from the sequences' weights, so the pass never asks the device which targets they are."""
+    found = [
+        np.flatnonzero(np.asarray(s.weights[1:]) > 0) + row * (width - 1)
+        for row, s in enumerate(chunk)
+    ]
+    return to_device(torch.from_numpy(np.concatenate(found).astype(np.int64)), device)
+
+
 def target_rows(values: list[list[float]], width: int, device) -> torch.Tensor:
     """Per-token values of each sequence aligned with the targets, right-padded with 0."""
     rows = padded_rows(values, width, np.float32, 0.0, skip=1)
