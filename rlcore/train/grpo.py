@@ -340,7 +340,7 @@ def token_logprobs(
 
     With `trained` (sequences.trained_targets: flat indices of the targets the loss reads)
     and a model of `PLAIN_HEAD_ARCHITECTURES`, the head and everything vocabulary-wide run at
-    those targets and the judged moves' only (a tic-tac-toe game trains ~1 token in 7), and
+    those targets and the judged moves' only (a tic-tac-toe game trains ~1 token in 14), and
     every other target's logprob and entropy is 0: the same numbers where the loss reads."""
     if trained is not None and type(model).__name__ in PLAIN_HEAD_ARCHITECTURES:
         return _trained_logprobs(
