@@ -346,16 +346,8 @@ def token_logprobs(
         return _trained_logprobs(
             model, input_ids, temperature, with_entropy, move_sets, tree, trained
         )
-    if tree is None:
-        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
-    else:
-        logits = model(
-            input_ids=tree.input_ids,
-            position_ids=tree.positions,
-            attention_mask=tree.mask,
-            use_cache=False,
-        ).logits[0]
-    logits = logits.float() / temperature
+    logits = model(**pass_inputs(input_ids, tree)).logits
+    logits = (logits[:, :-1] if tree is None else logits[0]).float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
     targets = input_ids[:, 1:]
     if tree is None:
@@ -370,28 +362,38 @@ def token_logprobs(
     if move_sets is not None:
         rows, at, members = move_sets
         where = (rows, at) if tree is None else (tree.nodes[rows, at],)
-        picked = logits[where].gather(-1, members.clamp(min=0))
-        picked = picked.masked_fill(members < 0, float("-inf"))
-        best = torch.logsumexp(picked, dim=-1) - log_normalizer[where]
+        best = judged_mass(logits[where], log_normalizer[where], members)
     return logprobs, entropy, best
+
+
+def judged_mass(logits, log_normalizer, members):
+    """The log of the summed probability of each judged move's best options (`members`,
+    padded with -1), from the logits at its position and their logsumexp."""
+    picked = logits.gather(-1, members.clamp(min=0)).masked_fill(members < 0, float("-inf"))
+    return torch.logsumexp(picked, dim=-1) - log_normalizer
+
+
+def pass_inputs(input_ids, tree) -> dict:
+    """The model's inputs for a training pass: the right-padded rows, or the token tree's
+    nodes with their positions and mask."""
+    if tree is None:
+        return {"input_ids": input_ids, "use_cache": False}
+    return {
+        "input_ids": tree.input_ids,
+        "position_ids": tree.positions,
+        "attention_mask": tree.mask,
+        "use_cache": False,
+    }
 
 
 def _trained_logprobs(model, input_ids, temperature, with_entropy, move_sets, tree, trained):
     """`token_logprobs` with the head at the `trained` targets and the judged moves only."""
     rows, width = input_ids.shape
-    if tree is None:
-        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
-        # Target t of a row is predicted by its position t: row * width + t in the flat states.
-        at = trained + trained // (width - 1)
-    else:
-        hidden = model.model(
-            input_ids=tree.input_ids,
-            position_ids=tree.positions,
-            attention_mask=tree.mask,
-            use_cache=False,
-        ).last_hidden_state
-        at = tree.nodes.reshape(-1)[trained]
+    hidden = model.model(**pass_inputs(input_ids, tree)).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])
+    # Target t of a row is predicted by its position t (row * width + t in the flat states),
+    # or in a tree by the node of that position.
+    at = trained + trained // (width - 1) if tree is None else tree.nodes.reshape(-1)[trained]
 
     def head(where):
         logits = model.lm_head(hidden[where]).float() / temperature
@@ -410,10 +412,7 @@ def _trained_logprobs(model, input_ids, temperature, with_entropy, move_sets, tr
     if move_sets is not None:
         move_rows, move_at, members = move_sets
         where = move_rows * width + move_at if tree is None else tree.nodes[move_rows, move_at]
-        move_logits, move_normalizer = head(where)
-        chosen = move_logits.gather(-1, members.clamp(min=0))
-        chosen = chosen.masked_fill(members < 0, float("-inf"))
-        best = torch.logsumexp(chosen, dim=-1) - move_normalizer
+        best = judged_mass(*head(where), members)
     return logprobs, entropy, best
 
 
