@@ -385,6 +385,21 @@ class Environment(ABC):
         return [p.to_dict() for p in cls.params]
 
 
+_FLAT = (str, int, float, bool, type(None))
+
+
+def copy_messages(messages: list[Message]) -> list[Message]:
+    """A rollout's own copy of `messages`: a message of plain values (role, content) is
+    copied as a dict, any other (tool calls, content parts) in depth. The rollout appends to
+    and edits its list; the example's prompt must not change with it."""
+    return [
+        dict(message)
+        if all(isinstance(value, _FLAT) for value in message.values())
+        else copy.deepcopy(message)
+        for message in messages
+    ]
+
+
 class MultiTurnEnv(Environment):
     """The multi-turn loop: the model replies, the env answers, until done or max turns."""
 
@@ -422,7 +437,7 @@ class MultiTurnEnv(Environment):
 
     async def rollout(self, policy: Policy, example: Example, sampling: SamplingParams) -> Rollout:
         started = time.monotonic()
-        messages = copy.deepcopy(example.prompt)
+        messages = copy_messages(example.prompt)
         state = self.setup_state(example)
         rollout = Rollout(
             example_id=example.id,

@@ -34,6 +34,7 @@ import contextvars
 import random
 import re
 from collections.abc import Callable, Sequence
+from functools import cache, lru_cache
 from typing import Any
 
 from rlcore.envs.base import (
@@ -47,6 +48,7 @@ from rlcore.envs.base import (
 from rlcore.envs.tictactoe_game import (
     EMPTY,
     REASONING_FORMATS,
+    REMEMBERED_REPLY_CHARS,
     check_mark,
     empty_cells,
     game_over,
@@ -91,6 +93,20 @@ def is_well_formatted(text: str | None) -> bool:
     """Whether a reply is exactly a think block then a move tag holding a number
     (whitespace around them allowed, nothing else)."""
     return _STRICT_REPLY.fullmatch(text or "") is not None
+
+
+def _reply_form(text: str | None) -> tuple[str | None, bool]:
+    """A reply's think block (None without one) and whether it `is_well_formatted`."""
+    return think_parser.think(text), is_well_formatted(text)
+
+
+# A policy's replies repeat, so short ones are remembered (as parse_move remembers them).
+_remembered_form = lru_cache(maxsize=4096)(_reply_form)
+
+
+def reply_form(text: str | None) -> tuple[str | None, bool]:
+    short = text is None or len(text) <= REMEMBERED_REPLY_CHARS
+    return (_remembered_form if short else _reply_form)(text)
 
 
 def system_prompt(model_mark: str) -> str:
@@ -167,8 +183,9 @@ def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]
     state["model_turns"] += 1
     board = state["board"]
     expected = think_text(board, state["model_mark"], state["reasoning"])
-    state["think_correct"].append(think_parser.think(reply) == expected)
-    state.setdefault("well_formed", []).append(is_well_formatted(reply))
+    think, well_formed = reply_form(reply)
+    state["think_correct"].append(think == expected)
+    state.setdefault("well_formed", []).append(well_formed)
     cell, error = parse_move(reply, board)
     if error is not None:
         state["invalid_moves"] += 1
@@ -181,6 +198,20 @@ def model_reply(state: dict, reply: str | None) -> tuple[int | None, str | None]
     play_move(board, state["moves"], cell, state["model_mark"], "model")
     state["winner"] = winner(board)
     return cell, None
+
+
+@cache
+def _option_grades(board: str, mark: str, win_chances: bool) -> dict[str, float]:
+    """`move_options`' verdict of each empty cell of `board` for `mark`, in cell order: 1.0
+    if the move keeps the position's game-theoretic value (`sound_moves`), else 0.0; with
+    `win_chances` a sound move that is not one of `oracle_best_moves` is 0.5. A position's
+    verdicts never change, so a run works each out once."""
+    sound = set(sound_moves(board, mark))
+    best = set(oracle_best_moves(board, mark) if win_chances else ())
+    return {
+        str(cell): (1.0 if not best or cell in best else 0.5) if cell in sound else 0.0
+        for cell in empty_cells(board)
+    }
 
 
 def retry_message(state: dict, error: str) -> Message:
@@ -206,7 +237,7 @@ def format_reward(*, completion: list[Message], **_) -> float:
     replies = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
     if not replies:
         return 0.0
-    return sum(is_well_formatted(text) for text in replies) / len(replies)
+    return sum(reply_form(text)[1] for text in replies) / len(replies)
 
 
 # ---------------------------------------------------------------------------------------
@@ -665,20 +696,13 @@ class TicTacToeEnv(MultiTurnEnv):
         start = reply.rfind("<move>") + len("<move>")
         if cell is None or reply[start : start + 1] != str(cell):
             return None  # e.g. a padded tag ("<move> 4</move>"): no one-character move to swap
-        mark = rollout.state["model_mark"]
-        sound_cells = set(sound_moves(board, mark))
-        best_cells = set(oracle_best_moves(board, mark) if self.config["win_chances"] else ())
-
-        def judge(option: str) -> float:
-            if int(option) not in sound_cells:
-                return 0.0
-            return 1.0 if not best_cells or int(option) in best_cells else 0.5
-
+        grades = _option_grades(board, rollout.state["model_mark"], self.config["win_chances"])
+        played = str(cell)
         return MoveOptions(
             prefix=reply[:start],
-            played=str(cell),
-            others=[str(c) for c in empty_cells(board) if c != cell],
-            judge=judge,
+            played=played,
+            others=[option for option in grades if option != played],
+            judge=lambda option: grades.get(str(int(option)), 0.0),
         )
 
     def breakdowns(self, rollout: Rollout) -> dict[str, str]:

@@ -102,7 +102,11 @@ def render_board(board: Sequence[str] | str) -> str:
     """Three rows of three characters, the form every prompt shows: 'X', 'O', or the
     cell's number where it is empty ("X1O" / "3X5" / "678"). Numbering the empty cells in
     place means a model reads the legal moves off the board instead of counting positions."""
-    text = board_string(board)
+    return _render_board(board_string(board))
+
+
+@cache
+def _render_board(text: str) -> str:
     cells = [str(i) if mark == EMPTY else mark for i, mark in enumerate(text)]
     return "\n".join("".join(cells[row : row + 3]) for row in (0, 3, 6))
 
