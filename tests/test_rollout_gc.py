@@ -84,3 +84,49 @@ def test_a_steps_sequences_are_built_collecting_less_too(default_threshold, monk
     grpo.step_sequences(env, rollouts, cfg, None, {})
     assert len(rollouts) == 8 and seen == [ROLLOUT_GC_THRESHOLD] * 8
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_the_frozen_heap_keeps_setup_objects_out_until_the_last_run_thaws():
+    import weakref
+
+    from rlcore.rollout import frozen_heap
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle: only the collector frees it
+    gone = weakref.ref(node)
+    frozen_heap.freeze()
+    frozen_heap.freeze()  # a second run in the same process
+    try:
+        assert gc.get_freeze_count() > 0
+        del node
+        gc.collect()
+        assert gone() is not None  # frozen: no collection walks it
+        frozen_heap.thaw()
+        assert gc.get_freeze_count() > 0  # the other run still trains
+    finally:
+        frozen_heap.thaw()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None
+
+
+def test_an_rl_runs_steps_run_with_its_setup_frozen(tiny_model, tmp_path, monkeypatch):
+    from rl_fixtures import rl_config
+
+    from rlcore.events import RecordingSink
+    from rlcore.train import grpo
+
+    seen = []
+    built = grpo.step_sequences
+
+    def watched(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return built(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "step_sequences", watched)
+    grpo.run_rl(rl_config(tiny_model, tmp_path, "run", max_steps=2), RecordingSink())
+    assert len(seen) == 2 and min(seen) > 1000  # the model, the libraries' modules
+    assert gc.get_freeze_count() == 0

@@ -265,7 +265,7 @@ def run_actor(payload: dict) -> None:
     learner's newest weights until the board's stop flag is set or the learner is gone."""
     from rlcore.envs.registry import load_environment
     from rlcore.policy.vllm_engine import rollout_engine, sync_weights
-    from rlcore.rollout import run_rollouts
+    from rlcore.rollout import frozen_heap, run_rollouts
     from rlcore.train.common import (
         load_model_and_tokenizer,
         model_path,
@@ -318,6 +318,7 @@ def run_actor(payload: dict) -> None:
     )
     group, pieces, version, number = cfg.rollouts_per_example, {}, -1, 0
     loop = asyncio.new_event_loop()
+    frozen_heap.freeze()
     try:
         while not should_stop():
             if board.taken(actor) < number:  # its last batch is still waiting
@@ -357,5 +358,6 @@ def run_actor(payload: dict) -> None:
             )
             board.put(actor, number, batch)
     finally:
+        frozen_heap.thaw()
         loop.run_until_complete(engine.aclose())
         loop.close()

@@ -53,7 +53,7 @@ from rlcore.envs.registry import load_environment
 from rlcore.evaluate import figures_summary, rollout_figures, summary_metrics
 from rlcore.events import EventSink, NullSink
 from rlcore.policy.vllm_engine import rollout_engine, sync_weights
-from rlcore.rollout import fewer_collections, run_rollouts
+from rlcore.rollout import fewer_collections, frozen_heap, run_rollouts
 from rlcore.train.actors import Board
 from rlcore.train.advantages import (
     add_turn_advantages,
@@ -834,6 +834,7 @@ def run_rl(
     pieces: dict[int, str] = {}  # token id -> text, for think_length
     loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
     stop_asked = ranks.agreed(sink.should_stop)  # rank 0's answer on every rank
+    frozen_heap.freeze()  # the setup's objects out of the steps' full collections
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
             if stop_asked():
@@ -961,6 +962,7 @@ def run_rl(
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
                 checkpoint(step, checkpoint_dir(output_dir, step))
     finally:
+        frozen_heap.thaw()
         if actors:
             actors.close(board)
         if rollouts_engine is not None:
