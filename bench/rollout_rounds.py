@@ -42,11 +42,10 @@ from rlcore.types import SamplingParams  # noqa: E402
 
 
 class Clock:
-    """Seconds and calls of the wrapped callables, by name."""
+    """Seconds spent in the wrapped callables, by name."""
 
     def __init__(self) -> None:
         self.seconds: Counter = Counter()
-        self.calls: Counter = Counter()
 
     def wrap(self, owner, attribute: str, name: str) -> None:
         inner = getattr(owner, attribute)
@@ -57,7 +56,6 @@ class Clock:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - started
-                self.calls[name] += 1
 
         setattr(owner, attribute, timed)
 
@@ -94,7 +92,6 @@ def run_size(args: argparse.Namespace, games: int) -> dict:
     for index in range(args.warmup + args.steps):
         batches.clear()
         clock.seconds.clear()
-        clock.calls.clear()
         started = time.perf_counter()
         loop.run_until_complete(
             run_rollouts(
