@@ -54,18 +54,23 @@ def drop_reason(rollout: Rollout, cfg: SynthConfig) -> str | None:
     return None
 
 
-def dataset_row(rollout: Rollout, env_name: str) -> dict:
+def dataset_rows(rollout: Rollout, env, env_name: str) -> list[dict]:
+    """The rows of a kept rollout: one per conversation the env teaches its replies as
+    (`sft_conversations`: the whole game, or each reply with what it was shown)."""
     messages = [
         {key: message[key] for key in MESSAGE_FIELDS if message.get(key) is not None}
         for message in rollout.messages
     ]
-    return {
-        "messages": messages,
-        "env": env_name,
-        "example_id": rollout.example_id,
-        "reward": rollout.reward,
-        "outcome": rollout.outcome,
-    }
+    return [
+        {
+            "messages": conversation,
+            "env": env_name,
+            "example_id": rollout.example_id,
+            "reward": rollout.reward,
+            "outcome": rollout.outcome,
+        }
+        for conversation in env.sft_conversations(messages)
+    ]
 
 
 async def play(
@@ -157,7 +162,7 @@ def run_synth(cfg: SynthConfig, sink: EventSink | None = None) -> dict:
         if reason is not None:
             dropped[reason] += 1
         else:
-            out.write(json.dumps(dataset_row(rollout, cfg.env)) + "\n")
+            out.writelines(json.dumps(row) + "\n" for row in dataset_rows(rollout, env, cfg.env))
             kept += 1
         done = min(kept, target) if cfg.max_kept else played
         sink.progress(done, target, "synth")
