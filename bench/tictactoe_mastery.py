@@ -152,7 +152,6 @@ def evaluate(
                 "max_random_move_prob": random_move_prob,
                 "max_turns": args.max_turns,
                 "reasoning": args.reasoning,
-                "history": args.history,
             },
             num_examples=games,
             max_tokens=args.max_tokens,
@@ -274,13 +273,6 @@ def main(argv: list[str] | None = None) -> int:
         help="the teacher's think block (env param `reasoning`): the empty cells, or also "
         "the cells that win and those that block, or nothing (`<think></think>`); the "
         "teacher's moves stay random",
-    )
-    parser.add_argument(
-        "--history",
-        default="full",
-        choices=("full", "board"),
-        help="what the model is shown for a move (env param `history`), in SFT, RL and the "
-        "evaluations alike: the whole game, or the system prompt and the last message",
     )
     parser.add_argument("--sft-epochs", type=int, default=40)
     parser.add_argument("--sft-lr", type=float, default=2e-3, help="SFT peak learning rate")
@@ -446,12 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     budget_s = args.budget_minutes * 60
     pipeline_started = time.monotonic()
-    env_args = {
-        "max_turns": args.max_turns,
-        "num_groups": 4,
-        "reasoning": args.reasoning,
-        "history": args.history,
-    }
+    env_args = {"max_turns": args.max_turns, "num_groups": 4, "reasoning": args.reasoning}
 
     if partial is None:
         times: dict[str, float] = {}

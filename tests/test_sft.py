@@ -262,27 +262,6 @@ def test_synth_with_the_random_player_keeps_good_games_and_counts_drops(tmp_path
     assert len(load_sft_dataset(stats["path"])) == 10
 
 
-def test_synth_with_board_history_writes_each_reply_as_it_was_shown(tmp_path):
-    cfg = SynthConfig(
-        env="tictactoe",
-        env_args={"history": "board", "min_random_move_prob": 0.5},
-        model="random",
-        num_examples=20,
-        max_kept=4,
-        exclude_outcomes=["loss", "unfinished"],
-        output_dir=str(tmp_path / "synth"),
-    )
-    stats = run_synth(cfg, RecordingSink())
-    rows = [json.loads(line) for line in Path(stats["path"]).read_text().splitlines()]
-    # Four kept games, each written as its replies: more rows than games, every one a
-    # system prompt, the board the reply answered, and the reply.
-    assert stats["kept"] == len({row["example_id"] for row in rows}) == 4 < len(rows)
-    for row in rows:
-        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
-        assert "<move>" in row["messages"][2]["content"]
-    assert len(load_sft_dataset(stats["path"])) == len(rows)
-
-
 def test_synth_gives_each_rollout_of_an_example_its_own_game(tmp_path):
     cfg = SynthConfig(
         env="tictactoe",

@@ -97,7 +97,6 @@ def test_registry_builds_the_env_with_defaults():
         "draw_reward": 0.5,
         "loss_reward": 0.0,
         "reasoning": "empty",
-        "history": "full",
         "think_reward": 0.0,
         "self_play": 0.0,
         "win_chances": False,
@@ -970,53 +969,3 @@ async def test_an_invalid_self_play_reply_falls_back_to_the_minimax_move():
         assert metrics["self_play"] == 1.0
         assert metrics["self_play_fallbacks"] == rollout.state["self_play_fallbacks"]
         assert rollout.state["invalid_moves"] == 0  # the opponent's errors are not the model's
-
-
-# ---------------------------------------------------------------------------------------
-# What the model is shown: the whole game or the board alone
-
-
-async def test_with_board_history_each_prompt_is_the_system_and_the_last_message():
-    games = {}
-    for history in ("full", "board"):
-        env = TicTacToeEnv(history=history, max_turns=6)
-        policy = RecordingPolicy(OraclePolicy())
-        rollouts = await play_all(env, policy, 12)
-        games[history] = [(r.messages, r.outcome) for r in rollouts]
-        if history == "board":
-            prompts = [[dict(m) for m in messages] for messages, _, _ in policy.calls]
-    # The same games (the oracle's moves depend on the board alone), kept whole.
-    assert games["board"] == games["full"]
-    assert len(prompts) == sum(len(m) // 2 - 1 for m, _ in games["board"])
-    for prompt in prompts:
-        assert [m["role"] for m in prompt] == ["system", "user"]
-    # Each prompt's user message is the board the reply answered in the whole game.
-    shown = [
-        (messages[0], messages[index - 1])
-        for messages, _ in games["board"]
-        for index, message in enumerate(messages)
-        if message["role"] == "assistant"
-    ]
-    assert [tuple(p) for p in prompts] == shown
-
-
-async def test_with_board_history_a_retry_shows_the_error_and_the_same_board():
-    env = TicTacToeEnv(history="board", model_mark="X", max_turns=3)
-    policy = RecordingPolicy(OraclePolicy(), bad_marks=("X",))
-    (rollout,) = await play_all(env, policy, 1)
-    assert rollout.outcome == "unfinished" and len(policy.calls) == 3
-    for messages, _, _ in policy.calls[1:]:
-        assert len(messages) == 2 and messages[1]["content"].startswith("Invalid move:")
-
-
-async def test_sft_conversations_follow_the_history():
-    full, board = TicTacToeEnv(), TicTacToeEnv(history="board")
-    (rollout,) = await play_all(full, OraclePolicy(), 1)
-    assert full.sft_conversations(rollout.messages) == [rollout.messages]
-    turns = board.sft_conversations(rollout.messages)
-    assert len(turns) == rollout.num_turns > 1
-    for conversation in turns:
-        assert [m["role"] for m in conversation] == ["system", "user", "assistant"]
-        assert conversation[0] == rollout.messages[0]
-    replies = [m for m in rollout.messages if m["role"] == "assistant"]
-    assert [c[2] for c in turns] == replies

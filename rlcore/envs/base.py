@@ -425,17 +425,6 @@ class MultiTurnEnv(Environment):
     def turn_limit(self) -> int:
         return int(self.config.get("max_turns", self.max_turns))
 
-    def prompt_messages(self, messages: list[Message], state: dict) -> list[Message]:
-        """What the policy is shown for its next reply: by default the whole conversation.
-        An env whose last message says all there is to know may show less; the rollout
-        still keeps every message."""
-        return messages
-
-    def sft_conversations(self, messages: list[Message]) -> list[list[Message]]:
-        """A finished conversation as the SFT examples that teach its replies the way
-        `prompt_messages` asks for them: by default the conversation itself."""
-        return [messages]
-
     @property
     def tool_schemas(self) -> list[dict] | None:
         return None
@@ -466,10 +455,7 @@ class MultiTurnEnv(Environment):
                     break
                 key = self.decision_key(messages, state)
                 generation = await policy.generate(
-                    self.prompt_messages(messages, state),
-                    sampling,
-                    tools=self.tool_schemas,
-                    state=state,
+                    messages, sampling, tools=self.tool_schemas, state=state
                 )
                 rollout.num_turns += 1
                 rollout.prompt_tokens += generation.prompt_tokens

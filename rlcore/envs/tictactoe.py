@@ -350,16 +350,6 @@ class TicTacToeEnv(MultiTurnEnv):
             choices=REASONING_FORMATS,
         ),
         Param(
-            "history",
-            str,
-            "full",
-            "What the model is shown for each move: 'full' the whole game so far, 'board' "
-            "only the system prompt and the last message (the opponent's move and the "
-            "board, which is all a move depends on). With 'board', synth writes each reply "
-            "as its own SFT example with what it was shown.",
-            choices=("full", "board"),
-        ),
-        Param(
             "think_reward",
             float,
             0.0,
@@ -545,24 +535,6 @@ class TicTacToeEnv(MultiTurnEnv):
 
     def is_completed(self, messages: list[Message], state: dict) -> bool:
         return game_over(state["board"])
-
-    def prompt_messages(self, messages: list[Message], state: dict) -> list[Message]:
-        """The whole game, or with `history = "board"` the system prompt and the last
-        message (the board after the opponent's move, or after an invalid reply)."""
-        if self.config["history"] == "board":
-            return [messages[0], messages[-1]]
-        return messages
-
-    def sft_conversations(self, messages: list[Message]) -> list[list[Message]]:
-        """With `history = "board"`, each reply with the system prompt and the message
-        before it, as `prompt_messages` showed it."""
-        if self.config["history"] != "board":
-            return [messages]
-        return [
-            [messages[0], messages[index - 1], message]
-            for index, message in enumerate(messages)
-            if index >= 2 and message.get("role") == "assistant"
-        ]
 
     def decision_key(self, messages: list[Message], state: dict) -> str:
         """The board and the model turns used: with the opponent seeded by the board, the

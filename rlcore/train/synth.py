@@ -54,23 +54,18 @@ def drop_reason(rollout: Rollout, cfg: SynthConfig) -> str | None:
     return None
 
 
-def dataset_rows(rollout: Rollout, env, env_name: str) -> list[dict]:
-    """The rows of a kept rollout: one per conversation the env teaches its replies as
-    (`sft_conversations`: the whole game, or each reply with what it was shown)."""
+def dataset_row(rollout: Rollout, env_name: str) -> dict:
     messages = [
         {key: message[key] for key in MESSAGE_FIELDS if message.get(key) is not None}
         for message in rollout.messages
     ]
-    return [
-        {
-            "messages": conversation,
-            "env": env_name,
-            "example_id": rollout.example_id,
-            "reward": rollout.reward,
-            "outcome": rollout.outcome,
-        }
-        for conversation in env.sft_conversations(messages)
-    ]
+    return {
+        "messages": messages,
+        "env": env_name,
+        "example_id": rollout.example_id,
+        "reward": rollout.reward,
+        "outcome": rollout.outcome,
+    }
 
 
 async def play(
@@ -162,7 +157,7 @@ def run_synth(cfg: SynthConfig, sink: EventSink | None = None) -> dict:
         if reason is not None:
             dropped[reason] += 1
         else:
-            out.writelines(json.dumps(row) + "\n" for row in dataset_rows(rollout, env, cfg.env))
+            out.write(json.dumps(dataset_row(rollout, cfg.env)) + "\n")
             kept += 1
         done = min(kept, target) if cfg.max_kept else played
         sink.progress(done, target, "synth")
