@@ -3,7 +3,7 @@
 
     python bench/rl_processes.py [--device auto] [--games 64,256,1024] [--processes 1,2,4]
         [--actors 2,4] [--steps 8] [--warmup 2] [--recipe recipes/tictactoe_tiny/rl_gpu.toml]
-        [--model tiny-master] [--out PATH] [--profile 4,8] [--set KEY=VALUE ...]
+        [--model tiny-master] [--out PATH] [--profile 4,8] [--set KEY=VALUE ...] [--no-mps]
 
 Each row is a real `run_rl` (`run_rl_ranks`, as `python -m rlcore rl ... processes=P` runs
 it) of the recipe with `--model` as the policy (a trained player, whose replies end as a
@@ -22,7 +22,9 @@ count's at the same games; `vs 64` with the same processes at the fewest games.
 rollout and scoring are an actor's, `wait` the learner's wait for a batch, and `lag` the median
 number of updates between the weights that played a batch and the ones it trained.
 `--set KEY=VALUE` overrides a recipe setting in every row (`micro_batch_size=1024`, say).
-Writes bench/results/rl_processes_<device>.json.
+Processes sharing a card share it through NVIDIA MPS where the machine has it
+(`distributed.share_card`); `--no-mps` runs them without, and `mps` in the results says
+which. Writes bench/results/rl_processes_<device>.json.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
 import platform
 import statistics
 import sys
@@ -45,7 +48,7 @@ from benchlib import write_results  # noqa: E402
 from rlcore.events import RecordingSink  # noqa: E402
 from rlcore.train import grpo  # noqa: E402
 from rlcore.train.config import RLConfig, load_config  # noqa: E402
-from rlcore.train.distributed import run_rl_ranks  # noqa: E402
+from rlcore.train.distributed import mps_serving, run_rl_ranks  # noqa: E402
 
 PARTS = ("step", "rollout", "train", "scoring", "wait", "update", "gather")
 
@@ -153,6 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="process counts whose rows profile rank 0's update in their first timed step",
     )
     parser.add_argument(
+        "--no-mps",
+        action="store_true",
+        help="ranks sharing a card do not start NVIDIA MPS for it (RLCORE_MPS=0)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -160,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
         help="a recipe setting for every row (repeatable)",
     )
     args = parser.parse_args(argv)
+    if args.no_mps:
+        os.environ["RLCORE_MPS"] = "0"
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = [int(g) for g in args.games.split(",")]
@@ -183,7 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
         row["vs_one_process"] = first[row["games"]] / row["step_seconds"]
         row["vs_fewest_games"] = row["step_seconds"] / fewest[row["processes"], row["actors"]]
     name = card(args.device)
-    print(f"\ntic-tac-toe RL step by processes, {args.model}, {args.recipe}, {args.device}")
+    mps = args.device != "cpu" and mps_serving()
+    print(
+        f"\ntic-tac-toe RL step by processes, {args.model}, {args.recipe}, {args.device}, "
+        f"MPS {'on' if mps else 'off'}"
+    )
     header = (
         f"{'card':<22} {'games':>5} {'procs':>5} {'actors':>6} {'rollout s':>9} {'train s':>7} "
         f"{'scoring':>7} {'wait':>6} {'update':>6} {'gather':>6} "
@@ -209,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
         "settings": args.set,
+        "mps": mps,
         "command": "python bench/rl_processes.py " + " ".join(argv or sys.argv[1:]),
         "rows": rows,
     }

@@ -4,8 +4,11 @@ trainer's weights."""
 
 import asyncio
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from safetensors.torch import load_file
 
 from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
+from rlcore.train import distributed
 from rlcore.train.common import load_model_and_tokenizer
 from rlcore.train.config import ConfigError, RLConfig, SFTConfig, build_config
 from rlcore.train.distributed import (
@@ -330,3 +334,142 @@ def test_processes_name_what_they_need(tiny_model, tmp_path):
         rl_config(tiny_model, tmp_path, "a", processes=65)
     assert data_parallel_processes(0, rl_config(tiny_model, tmp_path, "a", processes=4)) == 4
     assert data_parallel_processes(2, rl_config(tiny_model, tmp_path, "a", processes=4)) == 4
+
+
+# ---------------------------------------------------------------------------------------
+# A run's processes sharing one card through MPS. The card and NVIDIA's control program are
+# the outside world here: the machine's GPU count is patched, and the control program is a
+# script that records how it was called.
+
+FAKE_CONTROL = """#!/bin/sh
+echo "$@ pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY input=$(test "$1" = -d || {{ read -r line; echo "$line"; }})" >> {record}
+{failure}
+"""
+
+
+@pytest.fixture
+def one_card(monkeypatch, tmp_path):
+    """A machine with one CUDA card, no MPS daemon of its own, and `install(failure)` to put
+    a control program on PATH; this process's MPS state is put back afterwards."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(distributed, "MPS_DEFAULT_PIPE", tmp_path / "no-daemon")
+    for name in (*distributed.MPS_ENV, "RLCORE_MPS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(distributed, "_mps_daemon", {})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    record = tmp_path / "calls.txt"
+
+    def install(failure: str = "") -> Path:
+        control = bin_dir / distributed.MPS_CONTROL
+        control.write_text(FAKE_CONTROL.format(record=record, failure=failure))
+        control.chmod(0o755)
+        return record
+
+    yield install
+    for watcher in distributed._mps_watchers:  # they watch this test process
+        watcher.kill()
+        watcher.wait()
+    distributed._mps_watchers.clear()
+
+
+def test_ranks_sharing_a_card_start_a_private_mps_daemon_and_stop_it(one_card):
+    record = one_card()
+    line = distributed.share_card("cuda", 4)
+    assert line.startswith("4 processes share 1 CUDA card through MPS (a daemon of this process's")
+    pipe, log = (os.environ[name] for name in distributed.MPS_ENV)
+    home = Path(pipe).parent
+    assert home.name.startswith("rlcore-mps-") and Path(log).parent == home
+    assert Path(pipe).is_dir() and Path(log).is_dir()
+    assert record.read_text().splitlines() == [f"-d pipe={pipe} log={log} input="]
+    assert distributed.mps_serving()
+    # the ranks `launch` starts inherit the daemon's environment: they join it too
+    assert distributed.share_card("cuda", 4) == (
+        "4 processes share 1 CUDA card through MPS (a daemon already running)"
+    )
+    # one daemon, and one watcher to stop it once this process is gone
+    assert len(record.read_text().splitlines()) == 1
+    assert len(distributed._mps_watchers) == 1
+
+
+def test_the_watcher_stops_the_daemon_once_its_process_is_gone(one_card, tmp_path):
+    record = one_card()
+    control = str(tmp_path / "bin" / distributed.MPS_CONTROL)
+    home = tmp_path / "mps"
+    env = {
+        name: str(home / part)
+        for name, part in zip(distributed.MPS_ENV, ("pipe", "log"), strict=True)
+    }
+    for folder in env.values():
+        Path(folder).mkdir(parents=True)
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watcher = distributed.watch_exit(process.pid, control, home, env, linger_s=1)
+    time.sleep(1.5)
+    assert watcher.poll() is None and not record.exists() and home.exists()  # still waiting
+    process.kill()
+    process.wait()
+    assert watcher.wait(timeout=20) == 0
+    pipe, log = env.values()
+    assert record.read_text().splitlines() == [f" pipe={pipe} log={log} input=quit"]
+    assert not home.exists()
+
+
+def test_no_card_shared_no_mps(one_card, monkeypatch):
+    record = one_card()
+    assert distributed.share_card("cpu", 4) is None
+    assert distributed.share_card("cuda", 1) is None  # one process
+    assert distributed.share_card("auto", 1) is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # a GPU each
+    assert distributed.share_card("cuda", 4) is None
+    assert not record.exists() and not distributed.mps_serving()
+
+
+def test_mps_turned_off_missing_or_failing_says_so_and_the_run_goes_on(one_card, monkeypatch):
+    assert distributed.share_card("cuda", 2) == (
+        "2 processes share 1 CUDA card without MPS: nvidia-cuda-mps-control is not on PATH"
+    )
+    one_card(failure='echo "An instance of this daemon is already running" >&2; exit 1')
+    line = distributed.share_card("cuda", 2)
+    assert line == (
+        "2 processes share 1 CUDA card without MPS: nvidia-cuda-mps-control -d failed "
+        "(An instance of this daemon is already running)"
+    )
+    assert not distributed.mps_serving() and not distributed._mps_daemon
+    # a process that already opened the CUDA driver (torch.cuda.is_available() does) cannot
+    # join a daemon started after: on a card it ran outside MPS while its ranks joined
+    monkeypatch.setattr(distributed, "cuda_driver_opened", lambda: True)
+    one_card()
+    assert distributed.share_card("cuda", 2) == (
+        "2 processes share 1 CUDA card without MPS: this process opened CUDA before MPS could start"
+    )
+    assert not distributed.mps_serving()
+    monkeypatch.setenv("RLCORE_MPS", "0")
+    assert distributed.share_card("cuda", 2) is None
+    assert not distributed.mps_serving()
+
+
+def test_a_machine_wide_mps_daemon_is_used_as_it_is(one_card, tmp_path, monkeypatch):
+    record = one_card()
+    (tmp_path / "no-daemon").mkdir()
+    (tmp_path / "no-daemon" / "control").write_text("")  # the machine's daemon's pipe
+    assert distributed.share_card("cuda", 8) == (
+        "8 processes share 1 CUDA card through MPS (a daemon already running)"
+    )
+    assert not record.exists()
+
+
+def test_a_data_parallel_run_logs_how_its_ranks_share_the_card(one_card):
+    """On the CPU no card is shared and nothing is said; the log line comes from the same
+    call a run on a card makes (`run_rl_ranks` before its ranks start)."""
+    sink = RecordingSink()
+    distributed._note_sharing(sink, "cuda", 3)
+    assert sink.logs == [
+        (
+            "info",
+            "3 processes share 1 CUDA card without MPS: nvidia-cuda-mps-control is not on PATH",
+        )
+    ]
+    distributed._note_sharing(sink, "cpu", 3)
+    assert len(sink.logs) == 1

@@ -340,7 +340,8 @@ class RLConfig:
     and the gradients are summed over the processes, so the update is one step on the whole
     batch. On a GPU worker a step's host work (the games, the prompts, the engine's
     bookkeeping) then runs on that many CPU cores; more processes than GPUs share them
-    (process r on GPU r mod the count). A job on several GPUs runs at least one a GPU"""
+    (process r on GPU r mod the count), through NVIDIA MPS where the machine has it
+    (distributed.share_card). A job on several GPUs runs at least one a GPU"""
     actors: int = 0
     """rollout actors: processes that play, score and build each step's batch with the
     newest weights the trainer published, while the trainer updates on the batches they
