@@ -3,6 +3,7 @@ the same RL update as one process, and the split placement's generation copy fol
 trainer's weights."""
 
 import asyncio
+import fcntl
 import json
 import os
 import subprocess
@@ -342,8 +343,20 @@ def test_processes_name_what_they_need(tiny_model, tmp_path):
 # script that records how it was called.
 
 FAKE_CONTROL = """#!/bin/sh
-echo "$@ pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY input=$(test "$1" = -d || {{ read -r line; echo "$line"; }})" >> {record}
-{failure}
+if [ "$1" = -d ]; then
+    echo "-d pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> {record}
+    {failure}
+    echo on > {state}
+    exit 0
+fi
+read -r command
+if [ "$command" = get_server_list ]; then
+    read -r now < {state}
+    [ "$now" = on ]
+    exit $?
+fi
+echo "$command pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> {record}
+echo off > {state}
 """
 
 
@@ -357,6 +370,7 @@ def one_card(monkeypatch, tmp_path):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setattr(distributed, "_mps_daemon", {})
+    monkeypatch.setattr(distributed, "MPS_LOCK", tmp_path / "mps.lock")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", str(bin_dir))
@@ -364,7 +378,8 @@ def one_card(monkeypatch, tmp_path):
 
     def install(failure: str = "") -> Path:
         control = bin_dir / distributed.MPS_CONTROL
-        control.write_text(FAKE_CONTROL.format(record=record, failure=failure))
+        state = tmp_path / "daemon-state"
+        control.write_text(FAKE_CONTROL.format(record=record, failure=failure, state=state))
         control.chmod(0o755)
         return record
 
@@ -373,6 +388,8 @@ def one_card(monkeypatch, tmp_path):
         watcher.kill()
         watcher.wait()
     distributed._mps_watchers.clear()
+    if "lock" in distributed._mps_daemon:
+        os.close(int(distributed._mps_daemon["lock"]))
 
 
 def test_ranks_sharing_a_card_start_a_private_mps_daemon_and_stop_it(one_card):
@@ -383,7 +400,7 @@ def test_ranks_sharing_a_card_start_a_private_mps_daemon_and_stop_it(one_card):
     home = Path(pipe).parent
     assert home.name.startswith("rlcore-mps-") and Path(log).parent == home
     assert Path(pipe).is_dir() and Path(log).is_dir()
-    assert record.read_text().splitlines() == [f"-d pipe={pipe} log={log} input="]
+    assert record.read_text().splitlines() == [f"-d pipe={pipe} log={log}"]
     assert distributed.mps_serving()
     # the ranks `launch` starts inherit the daemon's environment: they join it too
     assert distributed.share_card("cuda", 4) == (
@@ -392,6 +409,18 @@ def test_ranks_sharing_a_card_start_a_private_mps_daemon_and_stop_it(one_card):
     # one daemon, and one watcher to stop it once this process is gone
     assert len(record.read_text().splitlines()) == 1
     assert len(distributed._mps_watchers) == 1
+
+
+def locked(path: Path) -> bool:
+    """Whether another open file holds the flock on `path`."""
+    probe = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(probe)
+    return False
 
 
 def test_the_watcher_stops_the_daemon_once_its_process_is_gone(one_card, tmp_path):
@@ -404,16 +433,55 @@ def test_the_watcher_stops_the_daemon_once_its_process_is_gone(one_card, tmp_pat
     }
     for folder in env.values():
         Path(folder).mkdir(parents=True)
+    subprocess.run([control, "-d"], env=os.environ | env, check=True)
+    lock = os.open(distributed.MPS_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    watcher = distributed.watch_exit(process.pid, control, home, env, linger_s=1)
+    watcher = distributed.watch_exit(process.pid, control, home, env, lock, wait_s=10)
+    os.close(lock)  # the watcher holds it now
     time.sleep(1.5)
-    assert watcher.poll() is None and not record.exists() and home.exists()  # still waiting
+    assert watcher.poll() is None and home.exists()  # still waiting for the process
+    assert len(record.read_text().splitlines()) == 1 and locked(distributed.MPS_LOCK)
     process.kill()
     process.wait()
     assert watcher.wait(timeout=20) == 0
     pipe, log = env.values()
-    assert record.read_text().splitlines() == [f" pipe={pipe} log={log} input=quit"]
-    assert not home.exists()
+    assert record.read_text().splitlines() == [
+        f"-d pipe={pipe} log={log}",
+        f"quit pipe={pipe} log={log}",
+    ]
+    assert not home.exists() and not locked(distributed.MPS_LOCK)
+
+
+def test_one_daemon_of_ours_a_machine_at_a_time(one_card):
+    """Two runs in two processes: the second, finding the first's lock held, runs without."""
+    record = one_card()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(distributed.MPS_LOCK)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert distributed.share_card("cuda", 4) == (
+            "4 processes share 1 CUDA card without MPS: another run's MPS daemon is running "
+            "on this machine"
+        )
+        assert not record.exists() and not distributed.mps_serving()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert distributed.share_card("cuda", 4).startswith(
+        "4 processes share 1 CUDA card through MPS (a daemon of this process's"
+    )
 
 
 def test_no_card_shared_no_mps(one_card, monkeypatch):
@@ -437,6 +505,7 @@ def test_mps_turned_off_missing_or_failing_says_so_and_the_run_goes_on(one_card,
         "(An instance of this daemon is already running)"
     )
     assert not distributed.mps_serving() and not distributed._mps_daemon
+    assert not locked(distributed.MPS_LOCK)  # a failed start leaves the machine's lock free
     # a process that already opened the CUDA driver (torch.cuda.is_available() does) cannot
     # join a daemon started after: on a card it ran outside MPS while its ranks joined
     monkeypatch.setattr(distributed, "cuda_driver_opened", lambda: True)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import fcntl
 import json
 import logging
 import os
@@ -123,19 +124,29 @@ def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
 MPS_CONTROL = "nvidia-cuda-mps-control"
 MPS_DEFAULT_PIPE = Path("/tmp/nvidia-mps")  # where a machine-wide daemon listens
 MPS_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
-# Run beside the process that started a daemon: once that process is gone (however it
-# ended), stop the daemon and, when it has had time to go, remove its folder (the daemon
-# leaves its pipe files behind). On an H100 the daemon and its server were gone 2 s after
-# the quit. A daemon told to quit while its clients live waits for them, so the quit
-# comes only after the process (rank 0, a client) has exited.
+# One daemon of ours a machine at a time: the process that starts one holds this lock, and
+# after it its watcher, until the daemon is gone. A second daemon's server beside the first
+# might not get the card; a process outside MPS does share it with a daemon's server (on an
+# H100, runs without MPS started while a daemon and its server were still up ran at their
+# usual speed).
+MPS_LOCK = Path(tempfile.gettempdir()) / "rlcore-mps.lock"
+# Run beside the process that started a daemon, holding the lock: once that process is gone
+# (however it ended), stop the daemon, wait (at most $4 seconds) until it no longer answers,
+# remove its folder and exit, which releases the lock. A daemon told to quit while its
+# clients live waits for them, so the quit comes only after the process (rank 0, a client)
+# has exited. On an H100 the daemon and its server were gone 2 s after the quit.
 MPS_WATCHER = """
 while kill -0 "$1" 2>/dev/null; do sleep 1; done
 echo quit | "$2"
-sleep "${4:-30}"
+waited=0
+while [ "$waited" -lt "$4" ] && echo get_server_list | "$2" >/dev/null 2>&1; do
+    sleep 1
+    waited=$((waited + 1))
+done
 rm -rf "$3"
 """
 CUDA_ERROR_NOT_INITIALIZED = 3  # the driver's answer before cuInit
-_mps_daemon: dict[str, str] = {}  # the daemon this process started: its environment
+_mps_daemon: dict[str, str] = {}  # the daemon this process started: its environment, lock
 _mps_watchers: list[subprocess.Popen] = []
 
 
@@ -152,11 +163,12 @@ def share_card(device: str, processes: int) -> str | None:
     this process's environment so that it (rank 0) and the ranks it starts are its
     clients; a watcher stops the daemon when this process has exited. Nothing is started
     where the run's processes do not share a card, where MPS already serves this process
-    (a daemon of the machine's, or an earlier run's here), where the machine has no MPS,
-    or where this process has already opened CUDA outside MPS (it could not join).
-    `RLCORE_MPS=0` in the environment turns it off (a worker whose machine must not run
-    MPS). Returns a line for the run's log saying which, or None where no card is shared
-    or it is turned off."""
+    (a daemon of the machine's, or an earlier run's here), where another process's daemon
+    of ours runs (`MPS_LOCK`: that run keeps MPS, this one runs without), where the machine
+    has no MPS, or where this process has already opened CUDA outside MPS (it could not
+    join). `RLCORE_MPS=0` in the environment turns it off (a worker whose machine must not
+    run MPS). Returns a line for the run's log saying which, or None where no card is
+    shared or it is turned off."""
     if not device.startswith(("cuda", "auto")) or processes < 2:
         return None
     if os.environ.get("RLCORE_MPS", "1") == "0":
@@ -172,6 +184,15 @@ def share_card(device: str, processes: int) -> str | None:
         return f"{sharing} without MPS: {MPS_CONTROL} is not on PATH"
     if torch.cuda.is_initialized() or cuda_driver_opened():
         return f"{sharing} without MPS: this process opened CUDA before MPS could start"
+    try:
+        lock = os.open(MPS_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        return f"{sharing} without MPS: cannot open {MPS_LOCK} ({exc.strerror})"
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        return f"{sharing} without MPS: another run's MPS daemon is running on this machine"
     home = Path(tempfile.mkdtemp(prefix="rlcore-mps-"))
     env = {name: str(home / part) for name, part in zip(MPS_ENV, ("pipe", "log"), strict=True)}
     for folder in env.values():
@@ -184,20 +205,22 @@ def share_card(device: str, processes: int) -> str | None:
         detail = getattr(exc, "stderr", b"") or b""
         reason = detail.decode(errors="replace").strip() or f"{type(exc).__name__}: {exc}"
         shutil.rmtree(home, ignore_errors=True)
+        os.close(lock)
         return f"{sharing} without MPS: {MPS_CONTROL} -d failed ({reason[:300]})"
-    watch_exit(os.getpid(), control, home, env)
+    watch_exit(os.getpid(), control, home, env, lock)
     os.environ.update(env)
-    _mps_daemon.update(env)
+    _mps_daemon.update(env, lock=str(lock))
     return f"{sharing} through MPS (a daemon of this process's, {home})"
 
 
 def watch_exit(
-    pid: int, control: str, home: Path, env: dict[str, str], linger_s: int = 30
+    pid: int, control: str, home: Path, env: dict[str, str], lock: int, wait_s: int = 60
 ) -> subprocess.Popen:
     """Start the watcher (`MPS_WATCHER`) that stops the daemon at `env` once `pid` is gone
-    and removes `home` `linger_s` seconds later; in its own session, so a signal to this
-    process's group leaves it to do its work."""
-    argv = [str(pid), control, str(home), str(int(linger_s))]
+    and removes `home`; it holds the `lock` descriptor (flocked) until then, and this
+    process keeps it open too. In its own session, so a signal to this process's group
+    leaves it to do its work."""
+    argv = [str(pid), control, str(home), str(int(wait_s))]
     watcher = subprocess.Popen(
         ["sh", "-c", MPS_WATCHER, "mps-watcher", *argv],
         env=os.environ
@@ -206,6 +229,7 @@ def watch_exit(
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        pass_fds=(lock,),
         start_new_session=True,
     )
     _mps_watchers.append(watcher)
