@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         "-m",
         required=True,
-        help="tiny, tiny-bpe, tiny-master, a checkpoint dir or hub id, an env built-in "
+        help="tiny, tiny-bpe, tiny-bpe-3l, tiny-master, a checkpoint dir or hub id, an env built-in "
         "(oracle, random, constant), or the served model name with --base-url",
     )
     ev.add_argument("-n", "--num-examples", type=_bounded(int, 1), default=10)

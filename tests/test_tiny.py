@@ -290,23 +290,39 @@ def test_a_model_with_merges_reloads_with_the_same_tokenizer(tmp_path, game_text
     assert read_json(path, "rlcore_tiny.json")["merges"] == 256
 
 
-def test_tiny_bpe_names_the_tiny_model_with_merges_everywhere_a_model_is_named(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(("name", "layers"), [("tiny-bpe", 4), ("tiny-bpe-3l", 3)])
+def test_the_tiny_models_with_merges_are_named_everywhere_a_model_is_named(
+    name, layers, tmp_path, monkeypatch
 ):
+    """`tiny-bpe`: the tiny model with 256 merges; `tiny-bpe-3l`: the same with 3 layers
+    (the CPU variant's start, recipes/tictactoe_tiny/sft_cpu.toml)."""
     from rlcore.policy import load_policy
-    from rlcore.policy.tiny import BUILTIN_MODELS, TINY_BPE_MERGES, builtin_model_path
+    from rlcore.policy.tiny import (
+        BUILTIN_MODELS,
+        TINY_BPE_MERGES,
+        TINY_SMALL_LAYERS,
+        builtin_model_path,
+    )
     from rlcore.train.common import load_model_and_tokenizer, model_path
     from workers.engines import model_path as server_model_path
 
     monkeypatch.setenv("RLCORE_HOME", str(tmp_path))
-    assert "tiny-bpe" in BUILTIN_MODELS and TINY_BPE_MERGES == 256
-    path = builtin_model_path("tiny-bpe")
-    assert path == model_path("tiny-bpe") == server_model_path("tiny-bpe")
+    assert name in BUILTIN_MODELS and TINY_BPE_MERGES == 256 and TINY_SMALL_LAYERS == 3
+    path = builtin_model_path(name)
+    assert path == model_path(name) == server_model_path(name)
     assert path.startswith(str(tmp_path)) and path != builtin_model_path("tiny")
     assert read_json(path, "rlcore_tiny.json")["merges"] == TINY_BPE_MERGES
-    network, tokenizer = load_model_and_tokenizer("tiny-bpe", torch.device("cpu"))
+    network, tokenizer = load_model_and_tokenizer(name, torch.device("cpu"))
+    assert network.config.num_hidden_layers == layers
     plain = AutoTokenizer.from_pretrained(builtin_model_path("tiny"))
     board = "X.O\n.X.\nO..\nYou are X. Your move."
     assert len(tokenizer.encode(board)) < len(plain.encode(board))
     assert network.config.vocab_size == len(tokenizer)
-    assert load_policy("tiny-bpe", device="cpu").name == "tiny-bpe"
+    assert load_policy(name, device="cpu").name == name
+    if name == "tiny-bpe-3l":  # the same tokenizer as tiny-bpe's, a smaller network
+        bpe_network, bpe_tokenizer = load_model_and_tokenizer("tiny-bpe", torch.device("cpu"))
+        assert tokenizer.encode(board) == bpe_tokenizer.encode(board)
+        assert path != builtin_model_path("tiny-bpe")
+        assert sum(p.numel() for p in network.parameters()) < sum(
+            p.numel() for p in bpe_network.parameters()
+        )

@@ -40,7 +40,7 @@ SERVED_KINDS = (Job.Kind.EVAL, Job.Kind.SYNTH)
 
 def model_path(model: str) -> str:
     """What a server loads for a config's `model`: the directory of a built-in model name
-    ("tiny", "tiny-bpe", "tiny-master"), else the name itself."""
+    ("tiny", "tiny-bpe", "tiny-bpe-3l", "tiny-master"), else the name itself."""
     from rlcore.policy.tiny import builtin_model_path
 
     return builtin_model_path(model)

@@ -385,19 +385,28 @@ TINY_MASTER_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny-master
 # tokens of a tic-tac-toe game), where the mastery recipes start (docs/mastery.md: it beat
 # the character tokenizer on the CPU profile and in round 63 on a card).
 TINY_BPE_MERGES = 256
+# `tiny-bpe-3l`: `tiny-bpe` with this many layers instead of 4 (0.84 M parameters against
+# 1.10 M), where the CPU variant of the tic-tac-toe story starts (recipes/tictactoe_tiny/
+# sft_cpu.toml): a step ~1.4x cheaper bought the 2-core CPU's 30 minutes 1.4-1.45x the RL
+# steps, and it won each same-day pair against 4 layers (docs/mastery.md, forty-ninth and
+# fiftieth sessions).
+TINY_SMALL_LAYERS = 3
 # Model names that stand for a directory of the lab's own, wherever a model is named.
-BUILTIN_MODELS = ("tiny", "tiny-bpe", "tiny-master")
+BUILTIN_MODELS = ("tiny", "tiny-bpe", "tiny-bpe-3l", "tiny-master")
 
 
 def builtin_model_path(model: str) -> str:
     """The directory a model name stands for: `tiny` -> the built-in tiny model's and
-    `tiny-bpe` -> the same model's with `TINY_BPE_MERGES` merges (each built on first use),
-    `tiny-master` -> the shipped tic-tac-toe player's; any other name unchanged (a
-    checkpoint directory or a hub id)."""
+    `tiny-bpe` -> the same model's with `TINY_BPE_MERGES` merges, `tiny-bpe-3l` -> that
+    one's with `TINY_SMALL_LAYERS` layers (each built on first use), `tiny-master` -> the
+    shipped tic-tac-toe player's; any other name unchanged (a checkpoint directory or a hub
+    id)."""
     if model == "tiny":
         return ensure_tiny_model()
     if model == "tiny-bpe":
         return ensure_tiny_model(merges=TINY_BPE_MERGES)
+    if model == "tiny-bpe-3l":
+        return ensure_tiny_model(merges=TINY_BPE_MERGES, num_layers=TINY_SMALL_LAYERS)
     if model == "tiny-master":
         return str(TINY_MASTER_DIR)
     return model

@@ -223,8 +223,8 @@ class SynthConfig:
     env_args: dict = field(default_factory=dict)
     """environment parameters, validated by the environment's schema"""
     model: str = "random"
-    """teacher: an env built-in (`random`, `oracle`), `tiny`, `tiny-bpe`, `tiny-master`, a
-    checkpoint dir, a hub id, or a served model name when `base_url` is set"""
+    """teacher: an env built-in (`random`, `oracle`), `tiny`, `tiny-bpe`, `tiny-bpe-3l`,
+    `tiny-master`, a checkpoint dir, a hub id, or a served model name when `base_url` is set"""
     base_url: str | None = None
     """OpenAI-compatible endpoint for the teacher (vLLM, OpenAI, `rlcore serve`)"""
     api_key_env: str = "OPENAI_API_KEY"
@@ -272,8 +272,9 @@ class SFTConfig:
 
     model: str = "tiny"
     """`tiny` (the built-in tiny model), `tiny-bpe` (the same with a tokenizer of 256 merges
-    learned on tic-tac-toe games), `tiny-master` (the shipped tic-tac-toe player), a
-    checkpoint directory, or a Hugging Face hub id"""
+    learned on tic-tac-toe games), `tiny-bpe-3l` (that one with 3 layers instead of 4),
+    `tiny-master` (the shipped tic-tac-toe player), a checkpoint directory, or a Hugging Face
+    hub id"""
     dataset: str = "runs/synth/dataset.jsonl"
     """JSONL file, one {"messages": [...]} conversation per line (as `synth` writes)"""
     output_dir: str = "runs/sft"
@@ -317,8 +318,8 @@ class RLConfig:
     """On-policy RL (GRPO family) of a local model on a multi-turn environment."""
 
     model: str = "tiny"
-    """starting policy: `tiny`, `tiny-bpe`, `tiny-master`, a checkpoint directory (e.g. the SFT
-    run's final/), or a hub id"""
+    """starting policy: `tiny`, `tiny-bpe`, `tiny-bpe-3l`, `tiny-master`, a checkpoint directory
+    (e.g. the SFT run's final/), or a hub id"""
     env: str = "tictactoe"
     """environment name"""
     env_args: dict = field(default_factory=dict)

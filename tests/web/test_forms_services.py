@@ -66,7 +66,7 @@ def test_a_built_in_tiny_model_is_one_of_the_shipped_names(alice):
     with pytest.raises(ValidationError) as caught:
         services.model_create(owner=alice, name="x", kind="tiny", location="/etc/passwd")
     message = caught.value.message_dict["location"][0]
-    assert "tiny, tiny-bpe, tiny-master" in message and "/etc/passwd" in message
+    assert "tiny, tiny-bpe, tiny-bpe-3l, tiny-master" in message and "/etc/passwd" in message
     assert not ModelEntry.objects.filter(name="x").exists()
 
 
@@ -294,13 +294,18 @@ def test_sft_offers_the_users_own_synth_datasets_newest_first(alice, bob, real_s
 
 
 def test_sft_starts_from_the_model_its_recipe_names_when_the_user_has_it(alice, tiny):
-    # Without a `tiny-bpe` entry the form keeps its usual choice (the newest model).
+    # Without a `tiny-bpe-3l` entry the form keeps its usual choice (the newest model).
     assert JobForm(kind="sft", user=alice).fields["model"].initial == tiny.pk
+    small = services.model_create(owner=alice, name="3l", kind="tiny", location="tiny-bpe-3l")
     bpe = services.model_create(owner=alice, name="bpe", kind="tiny", location="tiny-bpe")
     services.model_create(owner=alice, name="newer", kind="tiny", location="tiny")
-    assert services.recipe_values("sft")["model"] == "tiny-bpe"
-    assert JobForm(kind="sft", user=alice).fields["model"].initial == bpe.pk
-    assert JobForm(kind="rl", user=alice).fields["model"].initial != bpe.pk  # sft only
+    # The default SFT recipe is the CPU variant's (3 layers); sft.toml (the GPU profile's)
+    # is offered beside it and starts from `tiny-bpe`.
+    assert services.recipe_names("sft") == ["sft_cpu", "sft"]
+    assert services.recipe_values("sft")["model"] == "tiny-bpe-3l"
+    assert JobForm(kind="sft", user=alice).fields["model"].initial == small.pk
+    assert JobForm(kind="sft", user=alice, recipe="sft").fields["model"].initial == bpe.pk
+    assert JobForm(kind="rl", user=alice).fields["model"].initial not in (small.pk, bpe.pk)
 
 
 def test_retries_and_requeues_say_where_they_came_from(alice, ttt_config, oracle, alice_client):

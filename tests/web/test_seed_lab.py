@@ -18,6 +18,7 @@ def test_it_seeds_the_admin_once(django_user_model, capsys):
     assert models == {
         "tiny": ("tiny", "tiny"),
         "tiny-bpe": ("tiny", "tiny-bpe"),
+        "tiny-bpe-3l": ("tiny", "tiny-bpe-3l"),
         "tiny-master": ("tiny", "tiny-master"),
         "tictactoe oracle": ("builtin", "oracle"),
         "tictactoe random": ("builtin", "random"),
@@ -33,7 +34,7 @@ def test_it_seeds_the_admin_once(django_user_model, capsys):
     ttt.save()
     call_command("seed_lab")
     assert "already seeded" in capsys.readouterr().out
-    assert ModelEntry.objects.count() == 5 and configs.count() == len(list_environments())
+    assert ModelEntry.objects.count() == len(models) and configs.count() == len(list_environments())
     assert EnvironmentConfig.objects.get(pk=ttt.pk).params["max_turns"] == 4
 
 

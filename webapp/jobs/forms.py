@@ -123,7 +123,8 @@ class ModelEntryForm(ServiceErrorsMixin, forms.Form):
         required=False,
         help_text="Directory under MODEL_ROOTS, hub id, served model name, or built-in player "
         "(oracle, random, constant). Built-in tiny model: tiny (default), tiny-bpe (with a "
-        "tokenizer of merges learned on tic-tac-toe) or tiny-master.",
+        "tokenizer of merges learned on tic-tac-toe), tiny-bpe-3l (that one with 3 layers) or "
+        "tiny-master.",
     )
     base_url = forms.CharField(
         max_length=500,
@@ -292,8 +293,8 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         if kind == "sft":
             self.fields["env_config"].required = False
             self.fields["env_config"].help_text = "Not used by SFT."
-            # SFT starts where its recipe does (sft.toml: the built-in `tiny-bpe`) when the
-            # user has that built-in model registered.
+            # SFT starts where its recipe does (sft_cpu.toml: the built-in `tiny-bpe-3l`;
+            # sft.toml: `tiny-bpe`) when the user has that built-in model registered.
             starting = models.filter(kind=ModelEntry.Kind.TINY, location=defaults.get("model"))
             self.fields["model"].initial = (
                 starting.values_list("pk", flat=True).first() or self.fields["model"].initial

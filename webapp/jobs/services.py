@@ -324,10 +324,11 @@ def model_delete(*, model: ModelEntry) -> None:
 # Job configs
 
 
-# The recipe a new job of the kind starts from when none is named: for RL the best measured
-# recipe a CPU worker can run (docs/mastery.md: per-move credit and the sound mass); the GPU
-# profile's, rl_gpu, is offered beside it.
-DEFAULT_RECIPES = {"rl": "rl_sound"}
+# The recipe a new job of the kind starts from when none is named: the best measured recipe
+# a CPU worker can run (docs/mastery.md): for RL per-move credit and the sound mass, for SFT
+# the 3-layer model that RL starts from; the GPU profile's, rl_gpu from sft, are offered
+# beside them.
+DEFAULT_RECIPES = {"rl": "rl_sound", "sft": "sft_cpu"}
 # What a recipe asks of the node that runs it, where the job does not say (the lab's
 # settings, not rlcore's: a recipe file stays loadable by `python -m rlcore`).
 RECIPE_NEEDS = {"rl_gpu": {"gpus": 1}}

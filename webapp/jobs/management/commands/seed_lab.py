@@ -1,8 +1,8 @@
 """`python manage.py seed_lab`: give the admin user something to start from (for `make run`).
 
-Registers, for the admin user, the built-in tiny model (characters, and "tiny-bpe" with
-merges), the shipped tic-tac-toe player "tiny-master", the tic-tac-toe oracle and random
-players, and one config with the schema's defaults for every registered environment, named
+Registers, for the admin user, the built-in tiny model (characters, "tiny-bpe" with merges,
+and "tiny-bpe-3l" with merges and 3 layers), the shipped tic-tac-toe player "tiny-master",
+the tic-tac-toe oracle and random players, and one config with the schema's defaults for every registered environment, named
 "<env> (defaults)". Idempotent: what already exists under those names is left as it is, so
 edits a user made survive a restart.
 """
@@ -19,6 +19,8 @@ MODELS = [
     # The same model with a tokenizer of merges learned on tic-tac-toe games, where the
     # tic-tac-toe recipes start (recipes/tictactoe_tiny/sft.toml).
     {"name": "tiny-bpe", "kind": ModelEntry.Kind.TINY, "location": "tiny-bpe"},
+    # That one with 3 layers, where the CPU variant starts (recipes/tictactoe_tiny/sft_cpu.toml).
+    {"name": "tiny-bpe-3l", "kind": ModelEntry.Kind.TINY, "location": "tiny-bpe-3l"},
     # The tic-tac-toe player the lab ships (rlcore/data/tiny-master/README.md), offered on Play.
     {"name": "tiny-master", "kind": ModelEntry.Kind.TINY, "location": "tiny-master"},
     {"name": "tictactoe oracle", "kind": ModelEntry.Kind.BUILTIN, "location": "oracle"},
