@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         "-m",
         required=True,
-        help="tiny, tiny-bpe, tiny-bpe-3l, tiny-master, a checkpoint dir or hub id, an env built-in "
-        "(oracle, random, constant), or the served model name with --base-url",
+        help="tiny, tiny-bpe, tiny-bpe-3l, tiny-master, a checkpoint dir or hub id, an env "
+        "built-in (oracle, random, constant), or the served model name with --base-url",
     )
     ev.add_argument("-n", "--num-examples", type=_bounded(int, 1), default=10)
     ev.add_argument("-r", "--rollouts-per-example", type=_bounded(int, 1), default=1)

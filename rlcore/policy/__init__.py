@@ -4,8 +4,9 @@ turns a CLI/web model string into the right one.
 MODEL strings: `tiny` (the built-in tiny model, built on first use; `tiny-bpe` the same
 with a tokenizer of merges learned on tic-tac-toe games, `tiny-bpe-3l` that one with 3
 layers), `tiny-master` (the tic-tac-toe player the lab ships, rlcore/data/tiny-master), a
-checkpoint directory or hub id (local transformers engine), an environment built-in (`oracle`, `random`, `constant`),
-or any served model name when `base_url` is given (OpenAI client).
+checkpoint directory or hub id (local transformers engine), an environment built-in
+(`oracle`, `random`, `constant`), or any served model name when `base_url` is given (OpenAI
+client).
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def autocast(device: torch.device):
 
 
 def model_path(model: str) -> str:
-    """`tiny`, `tiny-bpe`, `tiny-bpe-3l` and `tiny-master` -> their directories (tiny.builtin_model_path);
-    any other name unchanged."""
+    """`tiny`, `tiny-bpe`, `tiny-bpe-3l` and `tiny-master` -> their directories
+    (tiny.builtin_model_path); any other name unchanged."""
     from rlcore.policy.tiny import builtin_model_path
 
     return builtin_model_path(model)
@@ -94,8 +94,8 @@ def load_model_and_tokenizer(model: str, device: torch.device):
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"cannot load model {model!r} (looked for {path!r}): accepted are `tiny`, `tiny-bpe`, "
-            "`tiny-bpe-3l`, `tiny-master`, a checkpoint directory with config.json, or a Hugging Face hub id "
-            f"({exc})"
+            "`tiny-bpe-3l`, `tiny-master`, a checkpoint directory with config.json, or a Hugging "
+            f"Face hub id ({exc})"
         ) from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
