@@ -3,8 +3,8 @@
 Registers, for the admin user, the built-in tiny model (characters, "tiny-bpe" with merges,
 and "tiny-bpe-3l" with merges and 3 layers), the shipped tic-tac-toe player "tiny-master",
 the tic-tac-toe oracle and random players, and one config with the schema's defaults for
-every registered environment, named "<env> (defaults)". Idempotent: what already exists under those names is left as it is, so
-edits a user made survive a restart.
+every registered environment, named "<env> (defaults)". Idempotent: what already exists
+under those names is left as it is, so edits a user made survive a restart.
 """
 
 from django.contrib.auth import get_user_model
