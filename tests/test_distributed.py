@@ -32,7 +32,7 @@ from rlcore.train.distributed import (
     run_rl_ranks,
     run_sft_ranks,
 )
-from rlcore.train.grpo import build_learner, learn, loss_normalizer
+from rlcore.train.grpo import build_learner, learn, loss_normalizer, run_rl
 from rlcore.train.sequences import TrainingSequence
 from rlcore.types import SamplingParams
 from tests.rl_fixtures import StopAfterFirstStep, rl_config
@@ -99,6 +99,10 @@ def test_two_ranks_take_the_same_sft_step_as_one_process(tiny_model, sft_data, t
     )
     assert_same_weights(final_weights(one), final_weights(two))
     assert "Traceback" not in (tmp_path / "two" / "ranks" / "rank_1.log").read_text()
+    logs = [m for _, m in together.logs]
+    assert "sft: after step 1 the 2 data-parallel ranks hold the same weights" in logs
+    assert "sft: at the end the 2 data-parallel ranks hold the same weights" in logs
+    assert not [m for _, m in alone.logs if "data-parallel" in m]
 
 
 def fixed_batch(vocabulary: int) -> list[TrainingSequence]:
@@ -199,10 +203,46 @@ def test_data_parallel_ranks_each_roll_out_their_share_and_take_the_same_steps(
         assert metrics["optim/grad_norm"] > 0
         # Every rank's replies were sampled from its own model with the weights it trains.
         assert metrics["policy/logprob_mismatch"] < 1e-5
-    # The final weights are rank 0's, and rank 1 checked in the same ones.
-    assert any("2 data-parallel ranks end with the same weights" in m for _, m in sink.logs)
+    # The final weights are rank 0's, and rank 1 checked in the same ones after the first
+    # step and at the end.
+    logs = [m for _, m in sink.logs]
+    assert "rl: after step 1 the 2 data-parallel ranks hold the same weights" in logs
+    assert "rl: at the end the 2 data-parallel ranks hold the same weights" in logs
     assert final_weights(final).keys()
     assert "Traceback" not in (tmp_path / "parallel" / "ranks" / "rank_1.log").read_text()
+
+
+def follow_rl_at_another_rate(payload: dict) -> None:
+    """Rank 1 of a run whose ranks step apart: the run's own follower with ten times the
+    learning rate, a rank whose update comes out otherwise than rank 0's."""
+    payload["settings"]["optimizer"]["lr"] *= 10
+    distributed.follow_rl(payload)
+
+
+@pytest.mark.parametrize("limit", [None, "75"])
+def test_ranks_that_step_apart_fail_the_run_after_the_first_step(
+    formatted_model, tmp_path, monkeypatch, limit
+):
+    if limit:  # the MPS thread limit that made ranks drift apart on an H100: named
+        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", limit)
+    sink = RecordingSink()
+    cfg = rl_config(formatted_model, tmp_path, "apart", max_steps=4, save_every=2, processes=2)
+    with pytest.raises(
+        (distributed.RanksDiverged, RankFailed),
+        match=r"rl: after step 1 data-parallel ranks \[1\] hold weights other than rank 0's",
+    ) as failure:
+        launch(
+            lambda: run_rl(cfg, sink),
+            "tests.test_distributed:follow_rl_at_another_rate",
+            {"settings": cfg.to_dict(), "engine": "local"},
+            processes=2,
+            backend="gloo",
+            log_dir=tmp_path / "ranks",
+        )
+    assert ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE='75' is set" in str(failure.value)) == bool(limit)
+    # Found before step 1 was logged or anything saved: not after all four steps.
+    assert sink.metrics == [] and sink.checkpoints == []
+    assert not (tmp_path / "apart" / "final").exists()
 
 
 def test_the_generation_copy_follows_the_trainer_in_place(tiny_model):

@@ -427,6 +427,51 @@ class RankFailed(RuntimeError):
     """A follower rank exited with an error; the message ends with its log."""
 
 
+class RanksDiverged(RuntimeError):
+    """Data-parallel ranks that took the same steps hold different weights."""
+
+
+def weights_digest(model: torch.nn.Module) -> list[float]:
+    """Each parameter's sum and sum of squares: equal on ranks that took the same steps."""
+    with torch.no_grad():
+        sums = [
+            torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()
+        ]
+        return torch.cat(sums).tolist()
+
+
+def check_same_weights(model: torch.nn.Module, job: str, when: str, sink=None, saved="") -> None:
+    """Every rank calls it together: rank 0 raises RanksDiverged naming the ranks whose
+    weights differ from its own (`saved`: the checkpoint rank 0 has just written, named in
+    the error), or with `sink` logs that they agree. The ranks add up their gradients and
+    take the same optimizer step, so their weights must be equal; a run checks after its
+    first step, before each save and at its end, so a run whose ranks drift apart fails
+    after one step, not after all of them. On an H100 ranks under an MPS thread limit
+    (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` of 35 or 75) ended a run apart (docs/BENCHMARKS.md,
+    fifty-second session)."""
+    ranks = current_ranks()
+    if not ranks.parallel:
+        return
+    digests = ranks.gather(weights_digest(model))
+    if not ranks.is_main:
+        return
+    if differ := [rank for rank, digest in enumerate(digests) if digest != digests[0]]:
+        limit = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        raise RanksDiverged(
+            f"{job}: {when} data-parallel ranks {differ} hold weights other than rank 0's, "
+            "though every rank took the same steps"
+            + (f" (the checkpoint {saved} is rank 0's)" if saved else "")
+            + (
+                f"; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={limit[:20]!r} is set, and MPS thread "
+                "limits have made ranks drift apart: unset it"
+                if limit
+                else ""
+            )
+        )
+    if sink is not None:
+        sink.log(f"{job}: {when} the {ranks.world_size} data-parallel ranks hold the same weights")
+
+
 def init_ranks(
     rank: int,
     world_size: int,

@@ -82,6 +82,7 @@ from rlcore.train.common import (
 from rlcore.train.config import LossConfig, RLConfig, save_config
 from rlcore.train.distributed import (
     check_followers,
+    check_same_weights,
     copy_weights,
     current_ranks,
     generation_model,
@@ -674,15 +675,6 @@ def learn(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict
 # The training loop
 
 
-def weights_digest(model: torch.nn.Module) -> list[float]:
-    """Each parameter's sum and sum of squares: equal on ranks that took the same steps."""
-    with torch.no_grad():
-        sums = [
-            torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()
-        ]
-        return torch.cat(sums).tolist()
-
-
 def build_learner(cfg: RLConfig, device: torch.device, should_stop: Callable[[], bool]):
     """The learner of `cfg` on `device` (policy, optional frozen reference, optimizer and
     schedule, restored from `cfg.resume_from` when set), its tokenizer, and the resumed
@@ -798,6 +790,10 @@ def run_rl(
         + (f", {cfg.actors} actor processes rolling out" if cfg.actors else "")
     )
 
+    def saves_after(step: int) -> bool:
+        """Whether the run saves a checkpoint after `step` (the final one aside)."""
+        return bool(cfg.save_every) and step % cfg.save_every == 0 and step < cfg.max_steps
+
     def checkpoint(step: int, path: Path, start: tuple[dict, dict] | None = None) -> str:
         """Save the run after `step`; `start` (sampler and random states) stands in for the
         current ones when the step after it was begun and then dropped. Rank 0 saves; the
@@ -894,6 +890,8 @@ def run_rl(
             except StepStopped as stopped:
                 return stop(step, stopped.where, start)
             updated = time.monotonic()
+            if step == start_step + 1 or saves_after(step):
+                check_same_weights(model, "rl", f"after step {step}", sink)
             group = cfg.rollouts_per_example
             if actors:
                 figures, logged, tokens = taken.figures, taken.logged, taken.tokens
@@ -959,7 +957,7 @@ def run_rl(
                     f"rl: {len(errors)} rollouts failed at step {step}: {errors[0]}", "warning"
                 )
             sink.progress(step, cfg.max_steps, "rl")
-            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            if saves_after(step):
                 checkpoint(step, checkpoint_dir(output_dir, step))
     finally:
         frozen_heap.thaw()
@@ -970,16 +968,9 @@ def run_rl(
         loop.close()
 
     path = checkpoint(cfg.max_steps, output_dir / "final")
-    if ranks.parallel:  # the ranks took the same steps: their weights must be equal
-        digests = ranks.gather(weights_digest(model))
-        if not ranks.is_main:
-            return path
-        if differ := [r for r, digest in enumerate(digests) if digest != digests[0]]:
-            raise RuntimeError(
-                f"rl: data-parallel ranks {differ} ended with weights other than rank 0's "
-                f"(the final checkpoint {path} is rank 0's)"
-            )
-        sink.log(f"rl: the {ranks.world_size} data-parallel ranks end with the same weights")
+    check_same_weights(model, "rl", "at the end", sink, saved=path)
+    if not ranks.is_main:
+        return path
     milestones.summary()
     sink.log(f"rl: final checkpoint {path}")
     if cfg.select.keep > 1:  # the result: the best of the last saves on validation games
