@@ -178,6 +178,12 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f"step_{step:06d}"
 
 
+def saves_after(step: int, save_every: int, last_step: int) -> bool:
+    """Whether a run saving every `save_every` steps saves after `step` (the final save,
+    after `last_step`, aside)."""
+    return bool(save_every) and step % save_every == 0 and step < last_step
+
+
 def random_states() -> dict:
     """The python, numpy and torch random states as tensors and plain numbers only, so
     `torch.load(weights_only=True)` can read them back (pickled numpy arrays and the like

@@ -77,6 +77,7 @@ from rlcore.train.common import (
     restore_random_states,
     save_checkpoint,
     save_trainer_state,
+    saves_after,
     seed_everything,
 )
 from rlcore.train.config import LossConfig, RLConfig, save_config
@@ -790,10 +791,6 @@ def run_rl(
         + (f", {cfg.actors} actor processes rolling out" if cfg.actors else "")
     )
 
-    def saves_after(step: int) -> bool:
-        """Whether the run saves a checkpoint after `step` (the final one aside)."""
-        return bool(cfg.save_every) and step % cfg.save_every == 0 and step < cfg.max_steps
-
     def checkpoint(step: int, path: Path, start: tuple[dict, dict] | None = None) -> str:
         """Save the run after `step`; `start` (sampler and random states) stands in for the
         current ones when the step after it was begun and then dropped. Rank 0 saves; the
@@ -890,7 +887,7 @@ def run_rl(
             except StepStopped as stopped:
                 return stop(step, stopped.where, start)
             updated = time.monotonic()
-            if step == start_step + 1 or saves_after(step):
+            if step == start_step + 1 or saves_after(step, cfg.save_every, cfg.max_steps):
                 check_same_weights(model, "rl", f"after step {step}", sink)
             group = cfg.rollouts_per_example
             if actors:
@@ -957,7 +954,7 @@ def run_rl(
                     f"rl: {len(errors)} rollouts failed at step {step}: {errors[0]}", "warning"
                 )
             sink.progress(step, cfg.max_steps, "rl")
-            if saves_after(step):
+            if saves_after(step, cfg.save_every, cfg.max_steps):
                 checkpoint(step, checkpoint_dir(output_dir, step))
     finally:
         frozen_heap.thaw()

@@ -38,6 +38,7 @@ from rlcore.train.common import (
     pad_batch,
     resolve_device,
     save_checkpoint,
+    saves_after,
     seed_everything,
 )
 from rlcore.train.config import SFTConfig, save_config
@@ -219,10 +220,6 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
     stop_requested = ranks.agreed(sink.should_stop)
     stop_inside_step = ranks.inside_step(sink.should_stop)
 
-    def saves_after(step: int) -> bool:
-        """Whether the run saves a checkpoint after `step` (the final one aside)."""
-        return bool(cfg.save_every) and step % cfg.save_every == 0 and step < total_steps
-
     def save(step: int, path: Path) -> str:
         """Rank 0 saves a checkpoint and reports it; the other ranks hold the same weights."""
         if ranks.is_main:
@@ -285,7 +282,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         total_loss, seen_tokens, grad_norm = step_sums.tolist()
 
         seconds = time.monotonic() - started
-        if step == 1 or saves_after(step):
+        if step == 1 or saves_after(step, cfg.save_every, total_steps):
             check_same_weights(model, "sft", f"after step {step}", sink)
         sink.metric(
             step,
@@ -299,7 +296,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         )
         milestones.step(step, {"loss/sft": total_loss}, seconds)
         sink.progress(step, total_steps, "sft")
-        if saves_after(step):
+        if saves_after(step, cfg.save_every, total_steps):
             save(step, checkpoint_dir(output_dir, step))
 
     path = save(total_steps, output_dir / "final")
