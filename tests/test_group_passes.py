@@ -5,7 +5,9 @@ loss's normalizer known only after the last group."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from rlcore.events import RecordingSink
 from rlcore.policy.local import LocalEngine
 from rlcore.rollout import run_rollouts
 from rlcore.train import grpo
-from rlcore.train.common import model_path
+from rlcore.train.common import checkpoint_dir, model_path
 from rlcore.train.config import RLConfig, build_config
 from rlcore.train.distributed import follow_rl, launch
 from rlcore.train.grpo import (
@@ -196,3 +198,41 @@ def test_a_run_that_trains_groups_as_they_end_logs_the_same_first_step(tmp_path,
     assert [step for step, _ in together.metrics] == [1, 2]
     logs = [message for _, message in together.logs]
     assert "rl: at the end the 2 data-parallel ranks hold the same weights" in logs
+
+
+class StopOnceStepTwoTrains(RecordingSink):
+    """Asks the run to stop inside step 2's rollout, once its passes have trained a group."""
+
+    def __init__(self, made: list[GroupPasses]) -> None:
+        super().__init__()
+        self.made = made
+
+    def should_stop(self) -> bool:
+        if len(self.made) == 2 and self.made[1].trained > 0:
+            self.stop_requested = True
+        return self.stop_requested
+
+
+def test_a_stop_inside_a_streamed_step_drops_what_its_passes_trained(tmp_path, monkeypatch):
+    made: list[GroupPasses] = []
+
+    class Recorded(GroupPasses):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(grpo, "streams_update", streams_everywhere)
+    monkeypatch.setattr(grpo, "GroupPasses", Recorded)
+    sink = StopOnceStepTwoTrains(made)
+    cfg = game_config(tmp_path, batch_size=32, max_steps=3)
+    path = run_rl(cfg, sink)
+
+    assert [step for step, _ in sink.metrics] == [1]
+    assert path == str(checkpoint_dir(Path(cfg.output_dir), 1))
+    assert any("stopped on request inside step 2 (rollouts:" in m for _, m in sink.logs)
+    assert made[1].trained > 0 and not made[1].thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "group-passes"]
+    # The state saved is step 1's: a resumed run plays step 2 again.
+    resumed = build_config(RLConfig, [("test", cfg.to_dict() | {"resume_from": path})])
+    _, _, state = build_learner(resumed, torch.device("cpu"), never)
+    assert state["step"] == 1

@@ -18,6 +18,11 @@ One step, as `run_rl` does it from top to bottom:
    (grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
+On a GPU, with one update a batch and no KL term, steps 3-5 begin inside step 2: each group
+is scored and trained as soon as its games end, while the others play on (`GroupPasses`),
+and what needs every group (the per-move rewards' batch mean, the loss's normalizer) is
+settled once the last has ended; the update is the one the whole batch's passes would take.
+
 With rollout actors (`actors`, rlcore/train/actors.py) steps 1-4 run in actor processes,
 each with weights a few steps old, while this process (the learner) does steps 5-6 on their
 batches as they come, the engine's sampled logprobs taken as the old policy's.
@@ -778,7 +783,7 @@ class GroupPasses:
         self.stream = None
         if learner.device.type == "cuda":
             # After the last update's work on the weights, which the passes read.
-            self.stream = torch.cuda.Stream(learner.device)
+            self.stream = pass_stream(learner.device)
             self.stream.wait_stream(torch.cuda.current_stream(learner.device))
         self.thread = threading.Thread(target=self._work, name="group-passes", daemon=True)
         self.thread.start()
@@ -911,6 +916,14 @@ class GroupPasses:
                 if owed_policy is not None:
                     sums[key] = sums[key] + self.batch_mean * owed_policy
                 sums[key] = sums[key] * scale
+
+
+@functools.cache
+def pass_stream(device: torch.device) -> torch.cuda.Stream:
+    """The CUDA stream `GroupPasses` runs on, one a device for the run, so the memory its
+    passes free is cached for the next step's (a block is reused on the stream it was
+    allocated on)."""
+    return torch.cuda.Stream(device)
 
 
 def streams_update(cfg: RLConfig, learner: Learner, groups: int) -> bool:
