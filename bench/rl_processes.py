@@ -17,8 +17,7 @@ split over CPU cores; several processes share one GPU. Figures are medians of ra
 (scoring, the wait for the ranks, the update, rank 0's gathering) over the steps after
 `--warmup` (CUDA graph capture, allocator warm-up); `period` is the median time between two
 steps' metrics, logging included. `vs 1 proc` compares a row with the first processes
-count's at the same games; `vs 64` with the same processes at the fewest games; `early` the
-share of rank 0's training passes run while its other games still played (`grpo.GroupPasses`).
+count's at the same games; `vs 64` with the same processes at the fewest games.
 `--actors A` adds rows of one learner fed by A rollout actors (`RLConfig.actors`): there the
 rollout and scoring are an actor's, `wait` the learner's wait for a batch, and `lag` the median
 number of updates between the weights that played a batch and the ones it trained.
@@ -94,10 +93,6 @@ def run_row(args, games: int, processes: int, actors: int = 0) -> dict:
     periods = [b - a for a, b in itertools.pairwise(sink.arrivals[max(args.warmup - 1, 0) :])]
     row["period_seconds"] = statistics.median(periods) if periods else float("nan")
     row["lag"] = statistics.median(m.get("async/lag", 0.0) for m in timed)
-    # The share of rank 0's passes run while its other games still played (grpo.GroupPasses).
-    row["trained_while_playing"] = statistics.median(
-        m.get("perf/trained_while_playing", 0.0) for m in timed
-    )
     row["games_per_second"] = games / row["step_seconds"]
     if tables:
         row["update_profile"] = tables
@@ -106,13 +101,13 @@ def run_row(args, games: int, processes: int, actors: int = 0) -> dict:
 
 @contextlib.contextmanager
 def profiled_update(active: bool, call: int, tables: dict):
-    """With `active`, rank 0's update (`grpo.update_policy`, run in this process) at its
-    `call`-th call runs under the torch profiler: its tables by host and by device time go into
+    """With `active`, rank 0's update (`grpo.learn`, run in this process) at its `call`-th
+    call runs under the torch profiler: its tables by host and by device time go into
     `tables`, and the first is printed."""
     if not active:
         yield
         return
-    learn, calls = grpo.update_policy, []
+    learn, calls = grpo.learn, []
 
     def traced(*args, **kwargs):
         calls.append(1)
@@ -129,11 +124,11 @@ def profiled_update(active: bool, call: int, tables: dict):
         print(tables["self_cpu_time_total"])
         return result
 
-    grpo.update_policy = traced
+    grpo.learn = traced
     try:
         yield
     finally:
-        grpo.update_policy = learn
+        grpo.learn = learn
 
 
 def card(device: str) -> str:
@@ -208,8 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     header = (
         f"{'card':<22} {'games':>5} {'procs':>5} {'actors':>6} {'rollout s':>9} {'train s':>7} "
         f"{'scoring':>7} {'wait':>6} {'update':>6} {'gather':>6} "
-        f"{'step s':>7} {'period':>6} {'lag':>4} {'early':>5} {'vs 1 proc':>9} {'vs 64':>6} "
-        f"{'games/s':>8}"
+        f"{'step s':>7} {'period':>6} {'lag':>4} {'vs 1 proc':>9} {'vs 64':>6} {'games/s':>8}"
     )
     print(header)
     for r in rows:
@@ -218,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['rollout_seconds']:>9.3f} "
             f"{r['train_seconds']:>7.3f} {r['scoring_seconds']:>7.3f} {r['wait_seconds']:>6.3f} "
             f"{r['update_seconds']:>6.3f} {r['gather_seconds']:>6.3f} {r['step_seconds']:>7.3f} "
-            f"{r['period_seconds']:>6.3f} {r['lag']:>4.1f} {r['trained_while_playing']:>5.2f} "
+            f"{r['period_seconds']:>6.3f} {r['lag']:>4.1f} "
             f"{r['vs_one_process']:>8.2f}x {r['vs_fewest_games']:>5.2f}x "
             f"{r['games_per_second']:>8.1f}"
         )

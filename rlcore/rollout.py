@@ -131,12 +131,8 @@ async def run_rollouts(
     concurrency: int = 32,
     on_result: Callable[[Rollout], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
-    on_group: Callable[[list[Rollout]], None] | None = None,
 ) -> list[Rollout]:
     """`rollouts_per_example` rollouts of every example, in example order (groups adjacent).
-
-    `on_group` is called with an example's rollouts, in order, once they have all ended,
-    while the other examples' play on (a group with a rollout left out is never passed).
 
     `should_stop` is asked before each rollout starts and before each of its model turns;
     once it says True, rollouts that have not started are skipped and those in flight end
@@ -147,18 +143,8 @@ async def run_rollouts(
     included.
     """
     semaphore = asyncio.Semaphore(max(1, concurrency))
-    ended: dict[int, list] = {}  # example index -> (number, rollout or None) of its ended
 
-    async def one(example: Example, index: int, number: int) -> Rollout | None:
-        result = await play(example)
-        if on_group is not None:
-            group = ended.setdefault(index, [])
-            group.append((number, result))
-            if len(group) == rollouts_per_example and all(r is not None for _, r in group):
-                on_group([r for _, r in sorted(group, key=lambda pair: pair[0])])
-        return result
-
-    async def play(example: Example) -> Rollout | None:
+    async def one(example: Example) -> Rollout | None:
         async with semaphore:
             if should_stop is not None and should_stop():
                 return None
@@ -182,11 +168,7 @@ async def run_rollouts(
             on_result(result)
         return result
 
-    tasks = [
-        one(example, index, number)
-        for index, example in enumerate(examples)
-        for number in range(rollouts_per_example)
-    ]
+    tasks = [one(ex) for ex in examples for _ in range(rollouts_per_example)]
     with fewer_collections:
         results = await asyncio.gather(*tasks)
     return [result for result in results if result is not None]

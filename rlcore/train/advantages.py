@@ -96,20 +96,6 @@ def turn_reward_advantages(
     data-parallel rank passes `batch_mean`, the whole batch's over every rank, where the
     rollouts are its share.
     """
-    if batch_mean is None:
-        every = [reward for rewards in turn_rewards for reward in rewards]
-        batch_mean = sum(every) / len(every) if every else 0.0
-    advantages, owes = turn_reward_parts(rollouts, turn_rewards, group_size)
-    return owe_batch_mean(advantages, owes, batch_mean)
-
-
-def turn_reward_parts(
-    rollouts: list[Rollout], turn_rewards: list[list[float]], group_size: int
-) -> tuple[list[list[float]], list[list[bool]]]:
-    """`turn_reward_advantages` before the batch's mean is known, which needs every group:
-    each turn's reward less its position's baseline where that is the group's, the reward
-    itself where the baseline is the batch's mean, and which turns still owe that mean.
-    Computed group by group, so a group can be scored as soon as its games end."""
     if len(rollouts) % group_size:
         raise ValueError(f"{len(rollouts)} rollouts do not split into groups of {group_size}")
     for index, (rollout, rewards) in enumerate(zip(rollouts, turn_rewards, strict=True)):
@@ -118,8 +104,10 @@ def turn_reward_parts(
                 f"rollout {index} (example {rollout.example_id}) has {len(rollout.turns)} "
                 f"turns but {len(rewards)} per-turn rewards"
             )
+    if batch_mean is None:
+        every = [reward for rewards in turn_rewards for reward in rewards]
+        batch_mean = sum(every) / len(every) if every else 0.0
     advantages: list[list[float]] = []
-    owes: list[list[bool]] = []
     for start in range(0, len(rollouts), group_size):
         group = list(
             zip(
@@ -135,30 +123,15 @@ def turn_reward_parts(
             keys.append(row)
             for key, reward in zip(row, rewards, strict=True):
                 seen.setdefault(key, []).append(reward)
-        # None: the position's moves all scored the same, so the baseline is the batch's.
         baselines = {
-            key: sum(values) / len(values) if len(set(values)) > 1 else None
+            key: sum(values) / len(values) if len(set(values)) > 1 else batch_mean
             for key, values in seen.items()
         }
         for row, (_, rewards) in zip(keys, group, strict=True):
             advantages.append(
-                [
-                    reward if baselines[key] is None else reward - baselines[key]
-                    for key, reward in zip(row, rewards, strict=True)
-                ]
+                [reward - baselines[key] for key, reward in zip(row, rewards, strict=True)]
             )
-            owes.append([baselines[key] is None for key in row])
-    return advantages, owes
-
-
-def owe_batch_mean(
-    advantages: list[list[float]], owes: list[list[bool]], batch_mean: float
-) -> list[list[float]]:
-    """`turn_reward_parts`' advantages with the batch's mean taken where it is owed."""
-    return [
-        [value - batch_mean if owed else value for value, owed in zip(row, flags, strict=True)]
-        for row, flags in zip(advantages, owes, strict=True)
-    ]
+    return advantages
 
 
 def add_turn_advantages(

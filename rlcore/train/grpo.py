@@ -18,11 +18,6 @@ One step, as `run_rl` does it from top to bottom:
    (grpo, cispo or dr_grpo), micro-batched with gradient accumulation;
 6. log metrics and sample rollouts to the sink, save a checkpoint when due.
 
-On a GPU, with one update a batch and no KL term, steps 3-5 begin inside step 2: each group
-is scored and trained as soon as its games end, while the others play on (`GroupPasses`),
-and what needs every group (the per-move rewards' batch mean, the loss's normalizer) is
-settled once the last has ended; the update is the one the whole batch's passes would take.
-
 With rollout actors (`actors`, rlcore/train/actors.py) steps 1-4 run in actor processes,
 each with weights a few steps old, while this process (the learner) does steps 5-6 on their
 batches as they come, the engine's sampled logprobs taken as the old policy's.
@@ -45,12 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import queue
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,9 +58,8 @@ from rlcore.train.actors import Board
 from rlcore.train.advantages import (
     add_turn_advantages,
     group_advantages,
-    owe_batch_mean,
     tree_advantages,
-    turn_reward_parts,
+    turn_reward_advantages,
 )
 from rlcore.train.common import (
     Milestones,
@@ -143,38 +134,25 @@ def step_sequences(
     `sound_mass_weight` every judged move's best options (sound_mass.py). With the
     collector's first threshold raised, as for the rollouts: a large step's millions of
     token ids in lists made it collect over and over (bench/rl_host_overhead.py)."""
+    aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
     with fewer_collections:
         turn_advantages, advantage_sums = step_advantages(env, rollouts, cfg, total)
-        sequences, judged, single = [], 0, {}
+        sequences = []
+        judged, single = 0, {}
         for rollout, advantages in zip(rollouts, turn_advantages, strict=True):
-            built, moves = rollout_sequences(
-                env, rollout, advantages, None, cfg, tokenizer, pieces, single
+            thinks = (
+                None
+                if cfg.loss.train_think
+                else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
             )
+            built = training_sequences(rollout, advantages, aggregation, thinks)
+            if cfg.sound_mass_weight > 0:
+                judged += attach_move_sets(env, rollout, built, tokenizer, pieces, single)
             sequences += built
-            judged += moves
         if cfg.sound_mass_weight > 0:
             advantage_sums["sound_mass_moves"] = judged
         normalizer = loss_normalizer(sequences, cfg.loss, cfg.sampling.max_tokens)
     return sequences, normalizer, advantage_sums
-
-
-def rollout_sequences(
-    env, rollout, advantages, shares, cfg: RLConfig, tokenizer, pieces, single
-) -> tuple[list[TrainingSequence], int]:
-    """Step 4 for one rollout: its training sequences (`shares`: each turn's share of the
-    batch's mean per-move reward its advantage still owes, as `GroupPasses` trains them;
-    None where `advantages` are final) and how many of its moves got best options."""
-    aggregation = "token" if cfg.loss.type == "dr_grpo" else cfg.loss.aggregation
-    thinks = (
-        None
-        if cfg.loss.train_think
-        else [think_length(t.completion_ids, pieces, tokenizer) for t in rollout.turns]
-    )
-    built = training_sequences(rollout, advantages, aggregation, thinks, shares)
-    judged = 0
-    if cfg.sound_mass_weight > 0:
-        judged = attach_move_sets(env, rollout, built, tokenizer, pieces, single)
-    return built, judged
 
 
 def for_log(rollout: Rollout) -> Rollout:
@@ -205,32 +183,16 @@ def step_advantages(
     are made of (`advantage_metrics`). In a data-parallel run `rollouts` is the rank's share
     and `total` adds a tensor up over the ranks (`Ranks.sum`): the per-move rewards' batch
     mean is the whole batch's, so every rank credits its moves as one process would."""
-    episode, moves, sums = advantage_parts(env, rollouts, cfg)
-    mean = 0.0
-    if moves is not None:
-        summed, judged = total(
-            torch.tensor([sums["turn_rewards"], sums["judged_turns"]], dtype=torch.float64)
-        ).tolist()
-        mean = summed / judged if judged else 0.0
-    turns = final_advantages(episode, moves, mean, cfg.turn_reward_weight)
-    return turns, sums | turn_sums(turns)
-
-
-def advantage_parts(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
-    """Step 3 as far as whole groups take it, before the batch's mean per-move reward is
-    known: (the episode advantage of each turn, the per-move advantages as
-    `turn_reward_parts` leaves them or None without `turn_reward_weight`, and the sums of
-    the advantage metrics that do not need the final advantages)."""
     group = cfg.rollouts_per_example
     if cfg.advantage == "tree":
-        episode = tree_advantages(rollouts, group)
+        turns = tree_advantages(rollouts, group)
     elif cfg.advantage == "none":
-        episode = [[0.0] * len(r.turns) for r in rollouts]
+        turns = [[0.0] * len(r.turns) for r in rollouts]
     else:
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         per_rollout = group_advantages(rewards, group, cfg.scale_rewards).tolist()
-        episode = [[a] * len(r.turns) for r, a in zip(rollouts, per_rollout, strict=True)]
-    moves, sums = None, {}
+        turns = [[a] * len(r.turns) for r, a in zip(rollouts, per_rollout, strict=True)]
+    sums = {}
     if cfg.turn_reward_weight > 0:
         verdicts = [env.turn_rewards(r) for r in rollouts]
         if any(v is None for v in verdicts):
@@ -239,29 +201,23 @@ def advantage_parts(env: Environment, rollouts: list[Rollout], cfg: RLConfig):
                 "per-turn rewards for some rollouts; set turn_reward_weight = 0 for this env"
             )
         flat_verdicts = [v for row in verdicts for v in row]
-        moves = turn_reward_parts(rollouts, verdicts, group)
+        summed, judged = total(
+            torch.tensor([sum(flat_verdicts), len(flat_verdicts)], dtype=torch.float64)
+        ).tolist()
+        mean = summed / judged if judged else 0.0
+        extra = turn_reward_advantages(rollouts, verdicts, group, batch_mean=mean)
+        turns = add_turn_advantages(turns, extra, cfg.turn_reward_weight)
         sums |= {"turn_rewards": float(sum(flat_verdicts)), "judged_turns": len(flat_verdicts)}
-    rewards = torch.tensor([r.reward for r in rollouts]).view(-1, group)
-    sums |= {"groups": rewards.shape[0], "zero_groups": int((rewards.std(dim=1) == 0).sum())}
-    return episode, moves, sums
-
-
-def final_advantages(episode, moves, mean: float, weight: float) -> list[list[float]]:
-    """Per-turn advantages from `advantage_parts`' once the batch's mean per-move reward
-    is known."""
-    if moves is None:
-        return episode
-    return add_turn_advantages(episode, owe_batch_mean(*moves, mean), weight)
-
-
-def turn_sums(turns: list[list[float]]) -> dict:
-    """The sums of the advantage metrics over final per-turn advantages."""
     flat = [a for row in turns for a in row]
-    return {
+    rewards = torch.tensor([r.reward for r in rollouts]).view(-1, group)
+    sums |= {
+        "groups": rewards.shape[0],
+        "zero_groups": int((rewards.std(dim=1) == 0).sum()),
         "turns": len(flat),
         "zero_turns": sum(1 for a in flat if a == 0),
         "abs_advantage": float(sum(abs(a) for a in flat)),
     }
+    return turns, sums
 
 
 def add_sums(parts: list[dict]) -> dict:
@@ -620,14 +576,7 @@ def score_sequences(learner: Learner, sequences, cfg: RLConfig) -> dict:
     return _sampling_metrics(sums.to_host())
 
 
-def update_policy(
-    learner: Learner,
-    sequences,
-    normalizer: float,
-    cfg: RLConfig,
-    batch_mean: float = 0.0,
-    sums: StepSums | None = None,
-) -> dict:
+def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict:
     """`cfg.num_iterations` optimizer updates on the batch, each accumulating the gradient
     of `policy_loss` over length-sorted micro-batches; returns the step's loss metrics.
     The old policy is the current one (one update: ratio exactly 1) or the no-grad pass's;
@@ -638,9 +587,7 @@ def update_policy(
     its updates run to the end: the stop is heard before the next step, and the completed
     step is saved (a stop there used to drop a run's every step since its last save). The
     micro-batches go to the device before the first update, and the metrics stay there
-    until the step ends, so on a GPU the loop only queues work and never waits for it.
-    `batch_mean` is taken from the advantages where sequences still owe it, and `sums`
-    already holds the metric sums of passes run before (both from `GroupPasses`)."""
+    until the step ends, so on a GPU the loop only queues work and never waits for it."""
     with_reference = learner.reference is not None
     # A sequence without advantage or judged move adds no gradient, so without a KL term it is
     # skipped; its tokens still count in `normalizer`, so the loss is the full batch's.
@@ -648,7 +595,7 @@ def update_policy(
     # With one update and no reference the old logprobs are the current ones: taken from
     # this very pass (ratio exactly 1), with entropy and mismatch measured here.
     single_pass = cfg.num_iterations == 1 and not with_reference
-    sums = sums or StepSums(learner.device)
+    sums = StepSums(learner.device)
     passes = pass_batches(learner, trainable, cfg.micro_batch_size)
     chunks = [chunk for chunk, _ in passes]
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
@@ -659,14 +606,40 @@ def update_policy(
     ]
     forward = training_pass(cfg, learner.device)
     for iteration in range(cfg.num_iterations):
-        for index, (pass_batch, batch, sets, trained) in enumerate(
+        for index, ((chunk, tree), batch, sets, trained) in enumerate(
             zip(passes, batches, move_sets, targets, strict=True)
         ):
             if iteration == 0 and learner.should_stop():
                 raise StepStopped(f"update 1: micro-batch {index + 1} of {len(chunks)} not run")
-            loss, stats, _ = micro_batch_loss(
-                learner, cfg, forward, pass_batch, batch, sets, trained, normalizer, batch_mean
-            )
+            input_ids, _, weights, advantages = batch
+            with autocast(learner.device):
+                logprobs, entropy, best = forward(
+                    learner.model,
+                    input_ids,
+                    cfg.sampling.temperature,
+                    single_pass,
+                    sets,
+                    tree,
+                    trained,
+                )
+            width, device = weights.shape[1], learner.device
+            if single_pass:
+                old = logprobs.detach()
+                sums.add(sampling_stats(chunk, old, entropy, weights))
+            else:
+                old = padded([s.old_logprobs for s in chunk], width, device)
+            if cfg.actors:  # played by older weights: the ratio is against those
+                old = target_rows([s.sampled_logprobs for s in chunk], width, device)
+            ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
+            loss, stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
+            if best is not None:  # -log P(best moves), summed and normalized as the loss is
+                mass_loss = -cfg.sound_mass_weight * best.sum() / max(normalizer, 1e-8)
+                loss = loss + mass_loss
+                stats |= {
+                    "total": stats["total"] + mass_loss.detach(),
+                    "best_mass": best.detach().exp().sum(),
+                    "judged": best.new_tensor(float(len(best))),
+                }
             loss.backward()
             sums.add(stats)
         current_ranks().sum_gradients(learner.model)  # data-parallel: every rank's share
@@ -688,256 +661,6 @@ def update_policy(
         "optim/grad_norm": host["grad_norm"] / cfg.num_iterations,
         "optim/lr": lr,
     }
-
-
-def micro_batch_loss(
-    learner: Learner,
-    cfg: RLConfig,
-    forward,
-    pass_batch: tuple[list[TrainingSequence], TokenTree | None],
-    batch: tuple[torch.Tensor, ...],
-    sets,
-    trained: torch.Tensor,
-    normalizer: float,
-    batch_mean: float | None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-    """One micro-batch's pass: its loss (`policy_loss` over `normalizer`, plus the sound
-    mass), the sums for the step's metrics, and the per-token share of the batch's mean
-    per-move reward its sequences still owe (None where none does). That mean, when given,
-    is taken from their advantages by those shares; `GroupPasses` gives None and trains the
-    shares apart. The old policy is the current one with a single update (ratio exactly 1)."""
-    chunk, tree = pass_batch
-    input_ids, _, weights, advantages = batch
-    single_pass = cfg.num_iterations == 1 and learner.reference is None
-    with autocast(learner.device):
-        logprobs, entropy, best = forward(
-            learner.model, input_ids, cfg.sampling.temperature, single_pass, sets, tree, trained
-        )
-    width, device = weights.shape[1], learner.device
-    stats = {}
-    if single_pass:
-        old = logprobs.detach()
-        stats = sampling_stats(chunk, old, entropy, weights)
-    else:
-        old = padded([s.old_logprobs for s in chunk], width, device)
-    if cfg.actors:  # played by older weights: the ratio is against those
-        old = target_rows([s.sampled_logprobs for s in chunk], width, device)
-    with_reference = learner.reference is not None
-    ref = padded([s.ref_logprobs for s in chunk], width, device) if with_reference else None
-    shares = None
-    if any(s.mean_shares for s in chunk):
-        shares = target_rows([s.mean_shares or [] for s in chunk], width, device)
-        if batch_mean is not None:
-            advantages = advantages - batch_mean * shares
-    loss, loss_stats = policy_loss(logprobs, old, ref, advantages, weights, cfg.loss, normalizer)
-    stats |= loss_stats
-    if best is not None:  # -log P(best moves), summed and normalized as the loss is
-        mass_loss = -cfg.sound_mass_weight * best.sum() / max(normalizer, 1e-8)
-        loss = loss + mass_loss
-        stats |= {
-            "total": stats["total"] + mass_loss.detach(),
-            "best_mass": best.detach().exp().sum(),
-            "judged": best.new_tensor(float(len(best))),
-        }
-    if shares is not None and batch_mean is None:
-        # The shares' own loss: the policy loss of advantages -shares, whose gradient and
-        # value times the batch's mean are what the mean adds (exact at ratio 1).
-        owed, owed_stats = policy_loss(logprobs, old, ref, -shares, weights, cfg.loss, 1.0)
-        return loss, stats | {"owed": owed_stats["policy"]}, owed
-    return loss, stats, None
-
-
-class GroupPasses:
-    """Step 5's passes over a step's groups that ended while its other games still play.
-
-    A rank's share of a large tic-tac-toe step plays ~9 engine rounds, and most of its
-    groups have ended by the fourth or fifth; the rounds after hold few rows, and the card
-    would wait them out before the update began. Here a thread of its own scores each group
-    as it ends (steps 3-4 as far as a group takes them: `advantage_parts`) and runs the
-    passes over what it has scored, on a CUDA stream of its own, while the engine plays on.
-    Two things need every group of every rank: the batch's mean per-move reward (a turn's
-    baseline where its group's moves did not differ) and the loss's normalizer. These
-    passes leave both out: their gradient is kept unnormalized, and the gradient of the
-    mean's share that each token still owes is kept apart (`owed`). With one update and no
-    reference the ratio is exactly 1, where the loss is linear in the advantages, so
-    `settle` makes both exact once the sums are known. The groups that were not trained by
-    the time the rollout ended (the last to end) are scored then and trained by
-    `update_policy` with the mean and normalizer known, as every group of a step is where
-    this is not used (`streams_update`). Which groups a pass holds follows the timing, so
-    two runs agree to rounding, not bit for bit."""
-
-    def __init__(self, learner: Learner, env: Environment, cfg: RLConfig, tokenizer, pieces):
-        self.learner, self.env, self.cfg = learner, env, cfg
-        self.tokenizer, self.pieces, self.single = tokenizer, pieces, {}
-        self.params = [p for p in learner.model.parameters() if p.requires_grad]
-        self.owed: list[torch.Tensor | None] = [None] * len(self.params)
-        self.sums = StepSums(learner.device)
-        self.scored: list[tuple] = []  # per group: (rollouts, episode, moves, sums, judged)
-        self.sequences: list[TrainingSequence] = []
-        self.untrained: list[TrainingSequence] = []
-        self.forward = training_pass(cfg, learner.device)
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.added = self.trained = 0  # groups added, sequences trained by the passes
-        self.running = self.closing = False
-        self.error: BaseException | None = None
-        self.stream = None
-        if learner.device.type == "cuda":
-            # After the last update's work on the weights, which the passes read.
-            self.stream = pass_stream(learner.device)
-            self.stream.wait_stream(torch.cuda.current_stream(learner.device))
-        self.thread = threading.Thread(target=self._work, name="group-passes", daemon=True)
-        self.thread.start()
-
-    def add(self, rollouts: list[Rollout]) -> None:
-        """A group whose rollouts have all ended (`run_rollouts`' `on_group`)."""
-        self.added += 1
-        self.queue.put(rollouts)
-
-    def idle(self) -> bool:
-        """Whether every group added so far has been scored and its passes run."""
-        return not self.running and len(self.scored) == self.added
-
-    def _work(self) -> None:
-        try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                ending = False
-                while not ending:
-                    groups = [self.queue.get()]
-                    self.running = True
-                    while not self.queue.empty():
-                        groups.append(self.queue.get())
-                    ending = None in groups
-                    for group in groups:
-                        if group is not None:
-                            self._score(group)
-                    chunks = micro_batches(self.untrained, self.cfg.micro_batch_size)
-                    self.untrained = []
-                    for index, chunk in enumerate(chunks):
-                        if self.closing:
-                            self.untrained = [s for rest in chunks[index:] for s in rest]
-                            break
-                        self._pass(chunk)
-                    self.running = False
-        except BaseException as exc:  # raised again by `finish`, in the step's thread
-            self.error = exc
-
-    def _score(self, rollouts: list[Rollout]) -> None:
-        cfg = self.cfg
-        episode, moves, sums = advantage_parts(self.env, rollouts, cfg)
-        provisional = final_advantages(episode, moves, 0.0, cfg.turn_reward_weight)
-        shares = [None] * len(rollouts)
-        if moves is not None:
-            weight = cfg.turn_reward_weight
-            shares = [[weight if owed else 0.0 for owed in row] for row in moves[1]]
-        judged = 0
-        for rollout, advantages, owed in zip(rollouts, provisional, shares, strict=True):
-            built, count = rollout_sequences(
-                self.env, rollout, advantages, owed, cfg, self.tokenizer, self.pieces, self.single
-            )
-            judged += count
-            self.sequences += built
-            self.untrained += [s for s in built if s.has_gradient]
-        self.scored.append((episode, moves, sums, judged))
-
-    def _pass(self, chunk: list[TrainingSequence]) -> None:
-        learner = self.learner
-        batch = collate(chunk, learner.pad_id, learner.device)
-        sets = move_set_rows(chunk, learner.device)
-        trained = trained_targets(chunk, batch[0].shape[1], learner.device)
-        loss, stats, owed = micro_batch_loss(
-            learner, self.cfg, self.forward, (chunk, None), batch, sets, trained, 1.0, None
-        )
-        if owed is None:
-            loss.backward()
-        else:
-            loss.backward(retain_graph=True)
-            grads = torch.autograd.grad(owed, self.params, allow_unused=True)
-            for index, grad in enumerate(grads):
-                if grad is not None:
-                    held = self.owed[index]
-                    self.owed[index] = grad if held is None else held.add_(grad)
-        self.sums.add(stats)
-        self.trained += len(chunk)
-
-    def close(self) -> None:
-        """End the thread after its current pass (a step dropped, or finished)."""
-        self.closing = True
-        self.queue.put(None)
-        self.thread.join()
-        if self.stream is not None:
-            torch.cuda.current_stream(self.learner.device).wait_stream(self.stream)
-
-    def finish(self, total=alone):
-        """After the rollout: the step's training sequences, the loss's normalizer and the
-        batch's mean per-move reward over every rank (`total` adds them up), and the sums of
-        the advantage metrics; every group is scored, and the passes' gradient settled
-        (`settle`), so `update_policy` can train the rest."""
-        self.close()
-        if self.error is not None:
-            raise self.error
-        cfg = self.cfg
-        normalizer = loss_normalizer(self.sequences, cfg.loss, cfg.sampling.max_tokens)
-        advantage_sums = add_sums([sums for _, _, sums, _ in self.scored])
-        normalizer, summed, judged = total(
-            torch.tensor(
-                [
-                    normalizer,
-                    advantage_sums.get("turn_rewards", 0.0),
-                    advantage_sums.get("judged_turns", 0),
-                ],
-                dtype=torch.float64,
-            )
-        ).tolist()
-        self.batch_mean = summed / judged if judged else 0.0
-        for episode, moves, _, _ in self.scored:
-            turns = final_advantages(episode, moves, self.batch_mean, cfg.turn_reward_weight)
-            advantage_sums = add_sums([advantage_sums, turn_sums(turns)])
-        if cfg.sound_mass_weight > 0:
-            advantage_sums["sound_mass_moves"] = sum(judged for *_, judged in self.scored)
-        self.settle(normalizer)
-        return self.sequences, normalizer, advantage_sums
-
-    def settle(self, normalizer: float) -> None:
-        """The passes' gradient and metric sums as the batch's: the mean's owed share added,
-        divided by the normalizer."""
-        scale = 1.0 / max(float(normalizer), 1e-8)
-        for param, owed in zip(self.params, self.owed, strict=True):
-            if owed is not None:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                param.grad.add_(owed, alpha=self.batch_mean)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
-        sums = self.sums.sums
-        owed_policy = sums.pop("owed", None)
-        for key in ("policy", "total"):
-            if key in sums:
-                if owed_policy is not None:
-                    sums[key] = sums[key] + self.batch_mean * owed_policy
-                sums[key] = sums[key] * scale
-
-
-@functools.cache
-def pass_stream(device: torch.device) -> torch.cuda.Stream:
-    """The CUDA stream `GroupPasses` runs on, one a device for the run, so the memory its
-    passes free is cached for the next step's (a block is reused on the stream it was
-    allocated on)."""
-    return torch.cuda.Stream(device)
-
-
-def streams_update(cfg: RLConfig, learner: Learner, groups: int) -> bool:
-    """Whether a step's groups are trained as they end (`GroupPasses`): on a GPU, where
-    the card would otherwise sit out the rollout's last rounds, with one update of no KL
-    reference (where the loss is linear in the advantages), the eager pass, and a rank's
-    share of more than one group."""
-    return (
-        learner.device.type == "cuda"
-        and cfg.num_iterations == 1
-        and learner.reference is None
-        and not cfg.compile
-        and groups > 1
-    )
 
 
 def learn(learner: Learner, sequences, normalizer: float, cfg: RLConfig) -> dict:
@@ -1086,8 +809,6 @@ def run_rl(
         updates of a step run to its end): the weights are those after step - 1, and that
         state is saved with the sampler and random states the step began from, so a
         resumed run plays the dropped step exactly."""
-        if passes is not None:
-            passes.close()  # before the gradient it may still be adding to is dropped
         optimizer.zero_grad(set_to_none=True)
         path = checkpoint(step - 1, checkpoint_dir(output_dir, step - 1), start)
         if not ranks.is_main:
@@ -1107,12 +828,8 @@ def run_rl(
     loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
     stop_asked = ranks.agreed(sink.should_stop)  # rank 0's answer on every rank
     frozen_heap.freeze()  # the setup's objects out of the steps' full collections
-    passes: GroupPasses | None = None  # the step's passes over groups as they end
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
-            if passes is not None:
-                passes.close()
-                passes = None
             if stop_asked():
                 return stop(step, "before it began")
             step_started = time.monotonic()
@@ -1132,8 +849,6 @@ def run_rl(
                 #      data-parallel run, each rank its share of the examples).
                 batch = sampler.next_batch()
                 examples = ranks.deal(batch)
-                if streams_update(cfg, learner, len(examples)):
-                    passes = GroupPasses(learner, env, cfg, tokenizer, pieces)
                 rollouts = loop.run_until_complete(
                     run_rollouts(
                         env,
@@ -1143,7 +858,6 @@ def run_rl(
                         rollouts_per_example=cfg.rollouts_per_example,
                         concurrency=cfg.sampling.concurrency,
                         should_stop=sink.should_stop,
-                        on_group=passes.add if passes is not None else None,
                     )
                 )
                 wanted = len(examples) * cfg.rollouts_per_example
@@ -1152,29 +866,19 @@ def run_rl(
                 rollout_seconds = time.monotonic() - step_started
                 train_started = time.monotonic()
 
-                # 3-4. Advantages, and the training sequences they weigh (with `passes`,
-                #      most groups were scored, and trained, while the others played).
-                if passes is not None:
-                    sequences, normalizer, advantage_sums = passes.finish(ranks.sum)
-                else:
-                    sequences, normalizer, advantage_sums = step_sequences(
-                        env, rollouts, cfg, tokenizer, pieces, ranks.sum
-                    )
+                # 3-4. Advantages, and the training sequences they weigh.
+                sequences, normalizer, advantage_sums = step_sequences(
+                    env, rollouts, cfg, tokenizer, pieces, ranks.sum
+                )
                 scored = time.monotonic()
 
             # 5. Old and reference logprobs when several updates or a KL term need them,
             #    then the updates, the loss over the whole batch's normalizer; a stop
             #    request before the first update is taken drops the step.
             try:
-                if passes is not None:  # its normalizer is already the whole batch's
-                    update_started = scored
-                    trained = update_policy(
-                        learner, passes.untrained, normalizer, cfg, passes.batch_mean, passes.sums
-                    )
-                else:
-                    normalizer = float(ranks.sum(torch.tensor(normalizer, dtype=torch.float64)))
-                    update_started = time.monotonic()  # the sum waits for the ranks' scoring
-                    trained = learn(learner, sequences, normalizer, cfg)
+                normalizer = float(ranks.sum(torch.tensor(normalizer, dtype=torch.float64)))
+                update_started = time.monotonic()  # the sum waits for the ranks' scoring
+                trained = learn(learner, sequences, normalizer, cfg)
                 if actors:
                     actors.publish(model, step)  # for the actors' next batches
                 else:
@@ -1232,10 +936,6 @@ def run_rl(
                 "perf/scoring_seconds": scored - train_started,
                 "perf/update_seconds": updated - update_started,
             }
-            if passes is not None:  # the share of the step's passes run while it played
-                metrics["perf/trained_while_playing"] = passes.trained / max(
-                    passes.trained + len(passes.untrained), 1
-                )
             if ranks.parallel:
                 metrics["perf/wait_seconds"] = update_started - scored
                 metrics["perf/gather_seconds"] = step_started + step_seconds - updated
@@ -1257,8 +957,6 @@ def run_rl(
             if saves_after(step, cfg.save_every, cfg.max_steps):
                 checkpoint(step, checkpoint_dir(output_dir, step))
     finally:
-        if passes is not None:
-            passes.close()
         frozen_heap.thaw()
         if actors:
             actors.close(board)

@@ -40,9 +40,6 @@ class TrainingSequence:
     move_sets: list[tuple[int, list[int]]] = field(default_factory=list)
     old_logprobs: torch.Tensor | None = None  # [len - 1], from the no-grad pass
     ref_logprobs: torch.Tensor | None = None
-    # Per token: the share of the batch's mean per-move reward its advantage still owes
-    # (a group trained before that mean was known: grpo.GroupPasses); None: none owed.
-    mean_shares: list[float] | None = None
 
     @property
     def trained_tokens(self) -> int:
@@ -51,8 +48,8 @@ class TrainingSequence:
     @property
     def has_gradient(self) -> bool:
         """Whether the policy loss gets a gradient from it without a KL term: a nonzero
-        advantage, an owed share of the batch's mean, or a judged move (sound_mass.py)."""
-        return bool(self.move_sets) or any(self.advantages) or any(self.mean_shares or ())
+        advantage or a judged move (sound_mass.py)."""
+        return bool(self.move_sets) or any(self.advantages)
 
 
 def token_pieces(completion_ids: list[int], pieces: dict[int, str], tokenizer) -> list[str]:
@@ -124,14 +121,11 @@ def training_sequences(
     turn_advantages: list[float],
     aggregation: str,
     think_lengths: list[int] | None = None,
-    turn_shares: list[float] | None = None,
 ) -> list[TrainingSequence]:
     """The rollout's sequences with every completion token carrying its turn's advantage
     and its weight in the loss's sum: 1 (token aggregation), 1 / the sequence's trained
     tokens (sequence) or 1 / its turn's trained tokens (turn). With `think_lengths`, the
-    first `think_lengths[t]` tokens of turn t (its think block) are not trained. With
-    `turn_shares`, each trained token also carries its turn's share of the batch's mean
-    per-move reward that its advantage still owes (`TrainingSequence.mean_shares`)."""
+    first `think_lengths[t]` tokens of turn t (its think block) are not trained."""
     if len(turn_advantages) != len(rollout.turns):
         raise ValueError(
             f"{len(turn_advantages)} advantages for a rollout of {len(rollout.turns)} turns"
@@ -150,20 +144,15 @@ def training_sequences(
                 sizes[turn] = sizes.get(turn, 0) + length - skipped
         weights: list[float] = []
         advantages: list[float] = []
-        shares: list[float] | None = None if turn_shares is None else []
         starts = {}
         for turn, skipped, trained in runs:
             if turn >= 0:
                 starts[turn] = len(weights)
             weights += [0.0] * skipped
             advantages += [0.0] * skipped
-            if shares is not None:
-                shares += [0.0] * skipped
             if trained:
                 weights += [_share(aggregation, sizes, turn)] * trained
                 advantages += [turn_advantages[turn]] * trained
-                if shares is not None:
-                    shares += [turn_shares[turn]] * trained
         result.append(
             TrainingSequence(
                 input_ids=input_ids,
@@ -172,7 +161,6 @@ def training_sequences(
                 sampled_logprobs=logprobs,
                 turns=len(sizes),
                 turn_starts=starts,
-                mean_shares=shares,
             )
         )
     return result
