@@ -100,8 +100,8 @@ def test_two_ranks_take_the_same_sft_step_as_one_process(tiny_model, sft_data, t
     assert_same_weights(final_weights(one), final_weights(two))
     assert "Traceback" not in (tmp_path / "two" / "ranks" / "rank_1.log").read_text()
     logs = [m for _, m in together.logs]
-    assert "sft: after step 1 the 2 data-parallel ranks hold the same weights" in logs
-    assert "sft: at the end the 2 data-parallel ranks hold the same weights" in logs
+    for when in ("at the start", "after step 1", "at the end"):
+        assert f"sft: {when} the 2 data-parallel ranks hold the same weights" in logs
     assert not [m for _, m in alone.logs if "data-parallel" in m]
 
 
@@ -206,8 +206,8 @@ def test_data_parallel_ranks_each_roll_out_their_share_and_take_the_same_steps(
     # The final weights are rank 0's, and rank 1 checked in the same ones after the first
     # step and at the end.
     logs = [m for _, m in sink.logs]
-    assert "rl: after step 1 the 2 data-parallel ranks hold the same weights" in logs
-    assert "rl: at the end the 2 data-parallel ranks hold the same weights" in logs
+    for when in ("at the start", "after step 1's rollout", "after step 1", "at the end"):
+        assert f"rl: {when} the 2 data-parallel ranks hold the same weights" in logs
     assert final_weights(final).keys()
     assert "Traceback" not in (tmp_path / "parallel" / "ranks" / "rank_1.log").read_text()
 
@@ -240,9 +240,38 @@ def test_ranks_that_step_apart_fail_the_run_after_the_first_step(
             log_dir=tmp_path / "ranks",
         )
     assert ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE='75' is set" in str(failure.value)) == bool(limit)
+    # Named: the first parameter whose sums differ (every one moved at another rate).
+    assert "the first that differs is model.embed_tokens.weight (its sum " in str(failure.value)
     # Found before step 1 was logged or anything saved: not after all four steps.
     assert sink.metrics == [] and sink.checkpoints == []
     assert not (tmp_path / "apart" / "final").exists()
+
+
+def follow_rl_from_another_model(payload: dict) -> None:
+    """Rank 1 of a run whose ranks start apart: the run's follower from another checkpoint
+    of the same architecture."""
+    payload["settings"]["model"] = payload["other_model"]
+    distributed.follow_rl(payload)
+
+
+def test_ranks_that_start_apart_fail_the_run_before_its_first_step(
+    tiny_model, formatted_model, tmp_path
+):
+    sink = RecordingSink()
+    cfg = rl_config(formatted_model, tmp_path, "start", max_steps=2, processes=2)
+    with pytest.raises(
+        (distributed.RanksDiverged, RankFailed),
+        match=r"rl: at the start data-parallel ranks \[1\] hold weights other than rank 0's",
+    ):
+        launch(
+            lambda: run_rl(cfg, sink),
+            "tests.test_distributed:follow_rl_from_another_model",
+            {"settings": cfg.to_dict(), "engine": "local", "other_model": tiny_model},
+            processes=2,
+            backend="gloo",
+            log_dir=tmp_path / "ranks",
+        )
+    assert sink.metrics == [] and sink.checkpoints == [] and sink.rollout_batches == []
 
 
 def test_the_generation_copy_follows_the_trainer_in_place(tiny_model):

@@ -442,13 +442,15 @@ def weights_digest(model: torch.nn.Module) -> list[float]:
 
 def check_same_weights(model: torch.nn.Module, job: str, when: str, sink=None, saved="") -> None:
     """Every rank calls it together: rank 0 raises RanksDiverged naming the ranks whose
-    weights differ from its own (`saved`: the checkpoint rank 0 has just written, named in
-    the error), or with `sink` logs that they agree. The ranks add up their gradients and
-    take the same optimizer step, so their weights must be equal; a run checks after its
-    first step, before each save and at its end, so a run whose ranks drift apart fails
-    after one step, not after all of them. On an H100 ranks under an MPS thread limit
-    (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` of 35 or 75) ended a run apart (docs/BENCHMARKS.md,
-    fifty-second session)."""
+    weights differ from its own and the first parameter that does (`saved`: the checkpoint
+    rank 0 has just written, named in the error), or with `sink` logs that they agree. The
+    ranks start from the same weights, add up their gradients and take the same optimizer
+    step, so their weights must be equal; a run checks at its start, after its first step
+    (RL also after that step's rollout, which must leave them alone), before each save and
+    at its end, so a run whose ranks drift apart fails within one step, and says where. On
+    an H100 ranks under an MPS thread limit (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` of 35 or
+    75) were apart after their first step (docs/BENCHMARKS.md, fifty-second and fifty-third
+    sessions)."""
     ranks = current_ranks()
     if not ranks.parallel:
         return
@@ -456,11 +458,17 @@ def check_same_weights(model: torch.nn.Module, job: str, when: str, sink=None, s
     if not ranks.is_main:
         return
     if differ := [rank for rank, digest in enumerate(digests) if digest != digests[0]]:
+        names = [name for name, _ in model.named_parameters()]
+        other = digests[differ[0]]
+        at = next(i for i, (a, b) in enumerate(zip(digests[0], other, strict=True)) if a != b)
+        what = "sum" if at % 2 == 0 else "sum of squares"
         limit = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
         raise RanksDiverged(
             f"{job}: {when} data-parallel ranks {differ} hold weights other than rank 0's, "
-            "though every rank took the same steps"
-            + (f" (the checkpoint {saved} is rank 0's)" if saved else "")
+            "though every rank took the same steps; the first that differs is "
+            f"{names[at // 2]} (its {what} {other[at]!r} on rank {differ[0]}, "
+            f"{digests[0][at]!r} on rank 0)"
+            + (f"; the checkpoint {saved} is rank 0's" if saved else "")
             + (
                 f"; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={limit[:20]!r} is set, and MPS thread "
                 "limits have made ranks drift apart: unset it"

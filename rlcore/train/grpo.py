@@ -827,6 +827,7 @@ def run_rl(
     pieces: dict[int, str] = {}  # token id -> text, for think_length
     loop = asyncio.new_event_loop()  # one loop for the run: the engine keeps its queue on it
     stop_asked = ranks.agreed(sink.should_stop)  # rank 0's answer on every rank
+    check_same_weights(model, "rl", "at the start", sink)
     frozen_heap.freeze()  # the setup's objects out of the steps' full collections
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
@@ -863,6 +864,8 @@ def run_rl(
                 wanted = len(examples) * cfg.rollouts_per_example
                 if not ranks.every(len(rollouts) == wanted):
                     return stop(step, f"rollouts: {len(rollouts)} of {wanted} finished", start)
+                if step == start_step + 1:  # the rollout reads the weights, never writes them
+                    check_same_weights(model, "rl", f"after step {step}'s rollout", sink)
                 rollout_seconds = time.monotonic() - step_started
                 train_started = time.monotonic()
 

@@ -237,6 +237,7 @@ def run_sft(cfg: SFTConfig, sink: EventSink | None = None) -> str:
         return path
 
     milestones = Milestones(sink, "sft", 1, total_steps, ["loss/sft"])
+    check_same_weights(model, "sft", "at the start", sink)
     for step in range(1, total_steps + 1):
         if stop_requested():
             return stop(step, f"after step {step - 1}")
