@@ -203,8 +203,8 @@ def test_data_parallel_ranks_each_roll_out_their_share_and_take_the_same_steps(
         assert metrics["optim/grad_norm"] > 0
         # Every rank's replies were sampled from its own model with the weights it trains.
         assert metrics["policy/logprob_mismatch"] < 1e-5
-    # The final weights are rank 0's, and rank 1 checked in the same ones after the first
-    # step and at the end.
+    # The final weights are rank 0's, and rank 1 checked in the same ones at the start,
+    # after the first step's rollout and the step itself, and at the end.
     logs = [m for _, m in sink.logs]
     for when in ("at the start", "after step 1's rollout", "after step 1", "at the end"):
         assert f"rl: {when} the 2 data-parallel ranks hold the same weights" in logs
