@@ -1,5 +1,5 @@
 """The update's pass over token trees (`sequences.tree_batches`, `sequences.token_tree`,
-`grpo.pass_batches`, on the CPU): which sequences share a tree, the trie's nodes, positions
+`sequences.forest_batches`, `grpo.pass_batches`, on the CPU): which sequences share a tree, the trie's nodes, positions
 and mask, and the same logprobs, entropy, judged-move mass and gradients as the plain pass."""
 
 import random
@@ -12,6 +12,7 @@ from rlcore.train.grpo import Learner, attention_keys_per_token, pass_batches, t
 from rlcore.train.sequences import (
     TrainingSequence,
     collate,
+    forest_batches,
     move_set_rows,
     token_tree,
     tree_batches,
@@ -97,14 +98,24 @@ def test_groups_share_a_tree_and_lone_sequences_a_plain_micro_batch():
     assert all(as_tree and len(chunk) >= 2 for chunk, as_tree in tree_batches(larger, 4, 1000.0))
 
 
-def test_the_tree_pass_matches_the_plain_pass_and_its_gradient():
+@pytest.mark.parametrize("multiple", [1, 64])
+def test_the_tree_pass_matches_the_plain_pass_and_its_gradient(multiple):
+    """Also with the nodes padded to a multiple of 64, as on a GPU: padding nodes attend
+    themselves alone and nothing reads them."""
     model, _ = load_model_and_tokenizer("tiny-master", torch.device("cpu"))
     rows = groups(random.Random(3))
     rows.append(sequence(rows[0].input_ids, 50, move_at=49))  # a repeated game
     input_ids, _, weights, advantages = collate(rows, 0, "cpu")
     move_sets = move_set_rows(rows, "cpu")
-    tree = token_tree(rows, "cpu")
-    assert tree.input_ids.shape[1] < 0.7 * sum(len(s.input_ids) for s in rows)
+    tree = token_tree(rows, "cpu", multiple)
+    nodes = tree.input_ids.shape[1]
+    assert nodes % multiple == 0 and nodes < 0.7 * sum(len(s.input_ids) for s in rows)
+    if multiple > 1:
+        unpadded = token_tree(rows, "cpu").input_ids.shape[1]
+        assert unpadded < nodes < unpadded + multiple
+        padding = torch.arange(unpadded, nodes)
+        assert tree.mask[0, 0, padding].sum(-1).tolist() == [1] * len(padding)
+        assert tree.mask[0, 0, :, padding].sum(0).tolist() == [1] * len(padding)
     results = []
     for shared in (None, tree):
         model.zero_grad(set_to_none=True)
@@ -121,6 +132,27 @@ def test_the_tree_pass_matches_the_plain_pass_and_its_gradient():
     torch.testing.assert_close(best, plain_best, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grad, plain_grad, rtol=1e-3, atol=1e-3)
     assert grad.abs().sum() > 0
+
+
+def test_forest_batches_keep_groups_together_within_the_bounds():
+    """The GPU's runs: every sequence once, in token order, at most `size` a run and at most
+    `max_nodes` trie nodes, groups side by side; sequences that share nothing packed too."""
+    rng = random.Random(5)
+    rows = groups(rng, count=3, size=4)
+    lone = [sequence([rng.randrange(40, 400) for _ in range(30)], 5) for _ in range(5)]
+    everything = rows + lone
+    runs = forest_batches(everything, 8, max_nodes=10_000)
+    assert sorted(id(s) for run in runs for s in run) == sorted(map(id, everything))
+    assert [len(run) for run in runs] == [8, 8, 1]
+    assert all(len({tuple(s.input_ids[:50]) for s in run if s in rows}) <= 2 for run in runs)
+    for size, max_nodes in ((4, 10_000), (20, 300), (20, 100)):
+        runs = forest_batches(everything, size, max_nodes)
+        assert sorted(id(s) for run in runs for s in run) == sorted(map(id, everything))
+        for run in runs:
+            assert len(run) <= size
+            nodes = token_tree(run, "cpu").input_ids.shape[1]
+            assert nodes <= max_nodes or len(run) == 1, (size, max_nodes, nodes)
+    assert len(forest_batches(everything, 20, 100)) > len(forest_batches(everything, 20, 300))
 
 
 def learner_on(device, attention="sdpa"):

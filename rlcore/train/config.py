@@ -376,9 +376,9 @@ class RLConfig:
     num_iterations: int = 1
     """optimizer updates per batch of rollouts (> 1 makes the clip matter)"""
     micro_batch_size: int = 8
-    """training sequences per forward pass (sorted by length to waste little padding); on
-    the CPU, at most this many sequences that share prefixes run as one token tree, each
-    shared prefix once (grpo.pass_batches)"""
+    """training sequences per forward pass: at most this many run as one token tree, each
+    prefix they share once (on a GPU every pass; on the CPU the runs that share enough),
+    the rest sorted by length to waste little padding (grpo.pass_batches)"""
     compile: bool = False
     """on CUDA, run the training pass (the model's forward, the logprobs, entropy and
     judged-move mass, and their backward) compiled (torch.compile, shapes dynamic): the

@@ -92,9 +92,11 @@ from rlcore.train.distributed import (
 from rlcore.train.sampling import StratifiedSampler, rollout_sample, sample_places
 from rlcore.train.select import choose_save
 from rlcore.train.sequences import (
+    GPU_WIDTH_STEP,
     TokenTree,
     TrainingSequence,
     collate,
+    forest_batches,
     micro_batches,
     move_set_rows,
     padded,
@@ -501,18 +503,34 @@ def attention_keys_per_token(model) -> float:
     return weights / (2 * config.hidden_size * config.num_hidden_layers)
 
 
+# The most nodes a GPU pass's token tree holds: its dense mask is nodes^2 (64 MiB of bools
+# here), and attention over it grows as that square while the rest of the pass grows with
+# the nodes.
+GPU_TREE_NODES = 8192
+
+
 def pass_batches(
     learner: Learner, sequences: list[TrainingSequence], size: int
 ) -> list[tuple[list[TrainingSequence], TokenTree | None]]:
     """The micro-batches of a pass over `sequences`, each with its token tree or None (the
-    plain pass). On the CPU, where the update is most of a step and FLOP-bound on its tokens,
-    sequences that share prefixes (a group's prompt, and its games' common moves) run as
-    token trees (sequences.tree_batches): from a random-valid SFT policy a step's trees hold
-    45 % of its tokens, from `tiny-master` 15 %. Elsewhere, and for attention that takes no
-    boolean mask (only SDPA's does), every micro-batch is plain: a tree's mask moves a GPU's
-    attention off its flash kernels, and is not measured there."""
+    plain pass). Sequences that share prefixes (a group's prompt, and its games' common
+    moves) run as token trees, each shared prefix once: from a random-valid SFT policy a
+    step's trees hold 45 % of its tokens, from `tiny-master` 15 %.
+    - On the CPU, where the update is most of a step and FLOP-bound on its tokens, the runs
+      are the cheapest by tokens and the dense mask's attention (sequences.tree_batches);
+      a sequence that shares nothing runs in a plain micro-batch.
+    - On a GPU, where a pass costs about its launches and its tokens, runs of up to `size`
+      sequences and GPU_TREE_NODES nodes (sequences.forest_batches): fewer passes, and no
+      padding computed.
+    Elsewhere, and for attention that takes no boolean mask (only SDPA's does), every
+    micro-batch is plain, sorted by length."""
     model = learner.model
-    if learner.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+    if model.config._attn_implementation != "sdpa":
+        return [(chunk, None) for chunk in micro_batches(sequences, size)]
+    if learner.device.type == "cuda":
+        runs = forest_batches(sequences, size, GPU_TREE_NODES)
+        return [(chunk, token_tree(chunk, learner.device, GPU_WIDTH_STEP)) for chunk in runs]
+    if learner.device.type != "cpu":
         return [(chunk, None) for chunk in micro_batches(sequences, size)]
     planned = tree_batches(sequences, size, attention_keys_per_token(model))
     return [

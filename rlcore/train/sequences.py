@@ -217,6 +217,31 @@ def tree_batches(
     ]
 
 
+def forest_batches(
+    sequences: list[TrainingSequence], size: int, max_nodes: int
+) -> list[list[TrainingSequence]]:
+    """Micro-batches for passes over token trees on a GPU, where a pass costs about its
+    kernel launches and its tokens, and attention over a dense mask of a few thousand nodes
+    is cheap: the sequences in token order (a group's rollouts, which share their prompt,
+    side by side) cut into runs of at most `size` sequences whose trie holds at most
+    `max_nodes` nodes (a run's first sequence may hold more alone). Sequences that share
+    nothing are packed side by side in the same trie, so no pass computes padding."""
+    ordered = sorted(sequences, key=lambda s: s.input_ids)
+    runs: list[list[TrainingSequence]] = []
+    nodes, previous = 0, np.empty(0, np.int64)
+    for s in ordered:
+        ids = np.asarray(s.input_ids, np.int64)
+        new = len(ids) - common_length(previous, ids)
+        if runs and len(runs[-1]) < size and nodes + new <= max_nodes:
+            runs[-1].append(s)
+            nodes += new
+        else:
+            runs.append([s])
+            nodes = len(ids)
+        previous = ids
+    return runs
+
+
 def common_length(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading tokens two id arrays share."""
     length = min(len(a), len(b))
@@ -237,12 +262,15 @@ class TokenTree:
     nodes: torch.Tensor  # [rows, width - 1]: the node whose logits predict each target
 
 
-def token_tree(chunk: list[TrainingSequence], device) -> TokenTree:
+def token_tree(chunk: list[TrainingSequence], device, multiple: int = 1) -> TokenTree:
     """The chunk's sequences as one trie (`TokenTree`), its targets as wide as the CPU's
     `collate` makes them (the longest sequence's). Inserted in token order, the nodes come
     depth first: a node's subtree is the run of nodes after it, up to where the last sequence
     through it ends its new nodes (`ends`), so node i attends node j exactly when
-    j <= i < ends[j]. A row's targets past its end read node 0 (their weight is 0)."""
+    j <= i < ends[j]. A row's targets past its end read node 0 (their weight is 0). The nodes
+    are padded to a multiple of `multiple` (on a GPU GPU_WIDTH_STEP, so a step's shapes
+    repeat), each padding node attending itself alone; the mask is built on `device` from
+    `ends`, so only the nodes' three rows are copied there."""
     total, width = sum(len(s.input_ids) for s in chunk), max(len(s.input_ids) for s in chunk)
     tokens, depths, ends = (np.zeros(total, np.int64) for _ in range(3))
     nodes = np.zeros((len(chunk), width - 1), np.int64)
@@ -258,13 +286,18 @@ def token_tree(chunk: list[TrainingSequence], device) -> TokenTree:
         ends[path] = count
         nodes[row, : len(ids) - 1] = path[:-1]
         previous, previous_path = ids, path
-    index = np.arange(count)
-    mask = (index[:, None] >= index[None, :]) & (index[:, None] < ends[None, :count])
+    if count % multiple:
+        padded_count = -(-count // multiple) * multiple
+        tokens, depths = (np.pad(a[:count], (0, padded_count - count)) for a in (tokens, depths))
+        ends = np.concatenate([ends[:count], np.arange(count, padded_count) + 1])
+        count = padded_count
+    table = to_device(
+        torch.from_numpy(np.stack([tokens[:count], depths[:count], ends[:count]])), device
+    )
+    index = torch.arange(count, device=table.device)
+    mask = (index[:, None] >= index[None, :]) & (index[:, None] < table[2][None, :])
     return TokenTree(
-        to_device(torch.from_numpy(tokens[None, :count]), device),
-        to_device(torch.from_numpy(depths[None, :count]), device),
-        to_device(torch.from_numpy(mask[None, None]), device),
-        to_device(torch.from_numpy(nodes), device),
+        table[0][None], table[1][None], mask[None, None], to_device(torch.from_numpy(nodes), device)
     )
 
 
