@@ -30,15 +30,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from benchlib import machine, write_results  # noqa: E402
+from benchlib import machine, recipe_rollouts, write_results  # noqa: E402
 
 from rlcore.envs.registry import load_environment  # noqa: E402
 from rlcore.policy.local import LocalEngine  # noqa: E402
-from rlcore.rollout import run_rollouts  # noqa: E402
 from rlcore.train.common import load_model_and_tokenizer  # noqa: E402
 from rlcore.train.config import RLConfig, load_config  # noqa: E402
 from rlcore.train.sampling import StratifiedSampler  # noqa: E402
-from rlcore.types import SamplingParams  # noqa: E402
 
 
 class Clock:
@@ -68,11 +66,6 @@ def run_size(args: argparse.Namespace, games: int) -> dict:
     model.eval()
     engine = LocalEngine(None, model=model, tokenizer=tokenizer, name="policy")
     sampler = StratifiedSampler(env, cfg.seed, games // cfg.rollouts_per_example)
-    sampling = SamplingParams(
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        max_tokens=cfg.sampling.max_tokens,
-    )
     clock, batches = Clock(), []
     batch_call = engine._run_batch
 
@@ -93,16 +86,7 @@ def run_size(args: argparse.Namespace, games: int) -> dict:
         batches.clear()
         clock.seconds.clear()
         started = time.perf_counter()
-        loop.run_until_complete(
-            run_rollouts(
-                env,
-                engine,
-                sampler.next_batch(),
-                sampling=sampling,
-                rollouts_per_example=cfg.rollouts_per_example,
-                concurrency=games,
-            )
-        )
+        recipe_rollouts(loop, env, engine, sampler.next_batch(), cfg, games)
         wall = time.perf_counter() - started
         if index < args.warmup:
             continue

@@ -134,25 +134,33 @@ def test_the_tree_pass_matches_the_plain_pass_and_its_gradient(multiple):
     assert grad.abs().sum() > 0
 
 
-def test_forest_batches_keep_groups_together_within_the_bounds():
-    """The GPU's runs: every sequence once, in token order, at most `size` a run and at most
-    `max_nodes` trie nodes, groups side by side; sequences that share nothing packed too."""
+def test_forest_batches_cut_runs_in_token_order_and_trees_within_the_bound():
+    """The GPU's passes: every sequence once; runs of `size` in token order (groups side by
+    side), each a tree where its trie fits `max_nodes`, the rest plain micro-batches."""
     rng = random.Random(5)
     rows = groups(rng, count=3, size=4)
     lone = [sequence([rng.randrange(40, 400) for _ in range(30)], 5) for _ in range(5)]
     everything = rows + lone
-    runs = forest_batches(everything, 8, max_nodes=10_000)
-    assert sorted(id(s) for run in runs for s in run) == sorted(map(id, everything))
-    assert [len(run) for run in runs] == [8, 8, 1]
-    assert all(len({tuple(s.input_ids[:50]) for s in run if s in rows}) <= 2 for run in runs)
-    for size, max_nodes in ((4, 10_000), (20, 300), (20, 100)):
-        runs = forest_batches(everything, size, max_nodes)
-        assert sorted(id(s) for run in runs for s in run) == sorted(map(id, everything))
-        for run in runs:
-            assert len(run) <= size
+    planned = forest_batches(everything, 8, max_nodes=10_000)
+    assert sorted(id(s) for run, _ in planned for s in run) == sorted(map(id, everything))
+    assert [(len(run), as_tree) for run, as_tree in planned] == [(8, True), (8, True), (1, True)]
+    # In token order: the groups' rows (their prompts start with SYSTEM) come first.
+    assert all(s in rows for s in planned[0][0]) and all(s in lone for s in planned[2][0])
+    for max_nodes in (10_000, 300, 100):
+        planned = forest_batches(everything, 8, max_nodes)
+        assert sorted(id(s) for run, _ in planned for s in run) == sorted(map(id, everything))
+        for run, as_tree in planned:
+            assert len(run) <= 8
             nodes = token_tree(run, "cpu").input_ids.shape[1]
-            assert nodes <= max_nodes or len(run) == 1, (size, max_nodes, nodes)
-    assert len(forest_batches(everything, 20, 100)) > len(forest_batches(everything, 20, 300))
+            assert (nodes <= max_nodes) == as_tree, (max_nodes, nodes)
+    # Within 100 nodes only the last run fits (one 30-token sequence); the others' sequences
+    # run as plain micro-batches of similar length, no more than 8 a pass.
+    planned = forest_batches(everything, 8, 100)
+    assert sorted((len(run), as_tree) for run, as_tree in planned) == [
+        (1, True),
+        (8, False),
+        (8, False),
+    ]
 
 
 def learner_on(device, attention="sdpa"):
@@ -161,11 +169,17 @@ def learner_on(device, attention="sdpa"):
     return Learner(model, None, None, None, tokenizer.pad_token_id, torch.device(device), bool)
 
 
-@pytest.mark.parametrize(("device", "attention"), [("meta", "sdpa"), ("cpu", "eager")])
-def test_trees_only_on_the_cpu_with_sdpa(device, attention):
+@pytest.mark.parametrize(
+    ("device", "attention", "trees"),
+    [("meta", "sdpa", True), ("cpu", "eager", True), ("cpu", "sdpa", False)],
+)
+def test_plain_passes_off_the_cpu_and_gpu_for_other_attention_or_without_trees(
+    device, attention, trees
+):
+    """Trees need SDPA's boolean mask, and the compiled pass (trees=False) runs plain."""
     rows = groups(random.Random(4))
     assert any(tree is not None for _, tree in pass_batches(learner_on("cpu"), rows, 16))
-    passes = pass_batches(learner_on(device, attention), rows, 16)
+    passes = pass_batches(learner_on(device, attention), rows, 16, trees)
     assert all(tree is None for _, tree in passes)
     assert sorted(len(chunk) for chunk, _ in passes) == [15]
 

@@ -510,7 +510,7 @@ GPU_TREE_NODES = 8192
 
 
 def pass_batches(
-    learner: Learner, sequences: list[TrainingSequence], size: int
+    learner: Learner, sequences: list[TrainingSequence], size: int, trees: bool = True
 ) -> list[tuple[list[TrainingSequence], TokenTree | None]]:
     """The micro-batches of a pass over `sequences`, each with its token tree or None (the
     plain pass). Sequences that share prefixes (a group's prompt, and its games' common
@@ -519,17 +519,22 @@ def pass_batches(
     - On the CPU, where the update is most of a step and FLOP-bound on its tokens, the runs
       are the cheapest by tokens and the dense mask's attention (sequences.tree_batches);
       a sequence that shares nothing runs in a plain micro-batch.
-    - On a GPU, where a pass costs about its launches and its tokens, runs of up to `size`
-      sequences and GPU_TREE_NODES nodes (sequences.forest_batches): fewer passes, and no
-      padding computed.
-    Elsewhere, and for attention that takes no boolean mask (only SDPA's does), every
-    micro-batch is plain, sorted by length."""
+    - On a GPU, where a pass costs about its launches and its tokens, runs of `size`
+      sequences in token order, each one tree where its trie holds at most GPU_TREE_NODES
+      nodes (sequences.forest_batches): as many passes as plain micro-batches, and neither
+      shared prefixes nor padding computed more than once.
+    Elsewhere, without `trees` (the compiled pass, measured on plain batches only), and for
+    attention that takes no boolean mask (only SDPA's does), every micro-batch is plain,
+    sorted by length."""
     model = learner.model
-    if model.config._attn_implementation != "sdpa":
+    if not trees or model.config._attn_implementation != "sdpa":
         return [(chunk, None) for chunk in micro_batches(sequences, size)]
     if learner.device.type == "cuda":
-        runs = forest_batches(sequences, size, GPU_TREE_NODES)
-        return [(chunk, token_tree(chunk, learner.device, GPU_WIDTH_STEP)) for chunk in runs]
+        planned = forest_batches(sequences, size, GPU_TREE_NODES)
+        return [
+            (chunk, token_tree(chunk, learner.device, GPU_WIDTH_STEP) if as_tree else None)
+            for chunk, as_tree in planned
+        ]
     if learner.device.type != "cpu":
         return [(chunk, None) for chunk in micro_batches(sequences, size)]
     planned = tree_batches(sequences, size, attention_keys_per_token(model))
@@ -614,7 +619,8 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
     # this very pass (ratio exactly 1), with entropy and mismatch measured here.
     single_pass = cfg.num_iterations == 1 and not with_reference
     sums = StepSums(learner.device)
-    passes = pass_batches(learner, trainable, cfg.micro_batch_size)
+    forward = training_pass(cfg, learner.device)
+    passes = pass_batches(learner, trainable, cfg.micro_batch_size, forward is token_logprobs)
     chunks = [chunk for chunk, _ in passes]
     batches = [collate(chunk, learner.pad_id, learner.device) for chunk in chunks]
     move_sets = [move_set_rows(chunk, learner.device) for chunk in chunks]
@@ -622,7 +628,6 @@ def update_policy(learner: Learner, sequences, normalizer: float, cfg: RLConfig)
         trained_targets(chunk, batch[0].shape[1], learner.device)
         for chunk, batch in zip(chunks, batches, strict=True)
     ]
-    forward = training_pass(cfg, learner.device)
     for iteration in range(cfg.num_iterations):
         for index, ((chunk, tree), batch, sets, trained) in enumerate(
             zip(passes, batches, move_sets, targets, strict=True)

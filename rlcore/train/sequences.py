@@ -219,27 +219,28 @@ def tree_batches(
 
 def forest_batches(
     sequences: list[TrainingSequence], size: int, max_nodes: int
-) -> list[list[TrainingSequence]]:
-    """Micro-batches for passes over token trees on a GPU, where a pass costs about its
-    kernel launches and its tokens, and attention over a dense mask of a few thousand nodes
-    is cheap: the sequences in token order (a group's rollouts, which share their prompt,
-    side by side) cut into runs of at most `size` sequences whose trie holds at most
-    `max_nodes` nodes (a run's first sequence may hold more alone). Sequences that share
-    nothing are packed side by side in the same trie, so no pass computes padding."""
+) -> list[tuple[list[TrainingSequence], bool]]:
+    """Micro-batches for passes on a GPU, each with whether it runs as a token tree: there a
+    pass costs about its kernel launches and its tokens, and attention over a dense mask of a
+    few thousand nodes is cheap. The sequences in token order (a group's rollouts, which
+    share their prompt, side by side) are cut into runs of `size`; a run whose trie holds at
+    most `max_nodes` nodes is one tree (what it shares computed once, sequences that share
+    nothing packed side by side, no padding), the others' sequences run in plain
+    micro-batches of similar length (`micro_batches`), so there are never many more passes
+    than plain micro-batches would make."""
     ordered = sorted(sequences, key=lambda s: s.input_ids)
-    runs: list[list[TrainingSequence]] = []
-    nodes, previous = 0, np.empty(0, np.int64)
-    for s in ordered:
-        ids = np.asarray(s.input_ids, np.int64)
-        new = len(ids) - common_length(previous, ids)
-        if runs and len(runs[-1]) < size and nodes + new <= max_nodes:
-            runs[-1].append(s)
-            nodes += new
+    planned, plain = [], []
+    for start in range(0, len(ordered), size):
+        run = ordered[start : start + size]
+        nodes = len(run[0].input_ids) + sum(
+            len(b.input_ids) - common_length(np.asarray(a.input_ids), np.asarray(b.input_ids))
+            for a, b in pairwise(run)
+        )
+        if nodes <= max_nodes:
+            planned.append((run, True))
         else:
-            runs.append([s])
-            nodes = len(ids)
-        previous = ids
-    return runs
+            plain += run
+    return planned + [(chunk, False) for chunk in micro_batches(plain, size)]
 
 
 def common_length(a: np.ndarray, b: np.ndarray) -> int:
