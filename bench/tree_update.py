@@ -39,12 +39,12 @@ from rlcore.train.common import autocast  # noqa: E402
 from rlcore.train.config import RLConfig, load_config  # noqa: E402
 from rlcore.train.sampling import StratifiedSampler  # noqa: E402
 from rlcore.train.sequences import (  # noqa: E402
-    GPU_WIDTH_STEP,
     collate,
     micro_batches,
     move_set_rows,
     token_tree,
     trained_targets,
+    width_step,
 )
 
 
@@ -83,9 +83,8 @@ def check(learner, sequences) -> dict:
     input_ids, _, weights, advantages = collate(chunk, learner.pad_id, device)
     trained = trained_targets(chunk, input_ids.shape[1], device)
     move_sets = move_set_rows(chunk, device)
-    multiple = GPU_WIDTH_STEP if device.type == "cuda" else 1
     results = []
-    for tree in (None, token_tree(chunk, device, multiple)):
+    for tree in (None, token_tree(chunk, device)):
         learner.model.zero_grad(set_to_none=True)
         with autocast(device):
             logprobs, _, best = grpo.token_logprobs(
@@ -122,7 +121,7 @@ def timed_updates(learner, sequences, normalizer, cfg, repeats: int) -> float:
 def run_size(args, games: int, device: torch.device) -> list[dict]:
     cfg, learner, sequences, normalizer = step_sequences(args, games, device)
     tokens = sum(len(s.input_ids) for s in sequences)
-    multiple = GPU_WIDTH_STEP if device.type == "cuda" else 1
+    multiple = width_step(device)
     base = {
         "games": games,
         "sequences": len(sequences),

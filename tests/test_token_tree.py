@@ -15,6 +15,7 @@ from rlcore.train.sequences import (
     forest_batches,
     move_set_rows,
     token_tree,
+    trained_targets,
     tree_batches,
 )
 
@@ -100,14 +101,17 @@ def test_groups_share_a_tree_and_lone_sequences_a_plain_micro_batch():
 
 @pytest.mark.parametrize("multiple", [1, 64])
 def test_the_tree_pass_matches_the_plain_pass_and_its_gradient(multiple):
-    """Also with the nodes padded to a multiple of 64, as on a GPU: padding nodes attend
-    themselves alone and nothing reads them."""
+    """Also laid out as on a GPU (`multiple` 64): the batch's width and the tree's nodes
+    padded to a multiple of 64, padding nodes attending themselves alone, nothing reading
+    them."""
     model, _ = load_model_and_tokenizer("tiny-master", torch.device("cpu"))
     rows = groups(random.Random(3))
     rows.append(sequence(rows[0].input_ids, 50, move_at=49))  # a repeated game
-    input_ids, _, weights, advantages = collate(rows, 0, "cpu")
+    input_ids, _, weights, advantages = collate(rows, 0, "cpu", multiple)
+    assert input_ids.shape[1] % multiple == 0
     move_sets = move_set_rows(rows, "cpu")
     tree = token_tree(rows, "cpu", multiple)
+    assert tree.nodes.shape == (len(rows), input_ids.shape[1] - 1)
     nodes = tree.input_ids.shape[1]
     assert nodes % multiple == 0 and nodes < 0.7 * sum(len(s.input_ids) for s in rows)
     if multiple > 1:
@@ -116,15 +120,22 @@ def test_the_tree_pass_matches_the_plain_pass_and_its_gradient(multiple):
         padding = torch.arange(unpadded, nodes)
         assert tree.mask[0, 0, padding].sum(-1).tolist() == [1] * len(padding)
         assert tree.mask[0, 0, :, padding].sum(0).tolist() == [1] * len(padding)
-    results = []
+    results, trained = [], trained_targets(rows, input_ids.shape[1], "cpu")
     for shared in (None, tree):
         model.zero_grad(set_to_none=True)
         logprobs, entropy, best = token_logprobs(model, input_ids, 0.8, True, move_sets, shared)
         loss = -(logprobs * advantages * weights).sum() - best.sum() + (entropy * weights).sum()
         loss.backward()
         gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
-        results.append((logprobs.detach(), entropy.detach(), best.detach(), gradient))
-    (plain_lp, plain_ent, plain_best, plain_grad), (lp, ent, best, grad) = results
+        # The trainer's pass: the head at the trained targets only, read through the nodes.
+        at_trained, _, _ = token_logprobs(model, input_ids, 0.8, False, None, shared, trained)
+        results.append(
+            (logprobs.detach(), entropy.detach(), best.detach(), gradient, at_trained.detach())
+        )
+    (plain_lp, plain_ent, plain_best, plain_grad, plain_head), (lp, ent, best, grad, head) = results
+    assert head.shape == lp.shape and (head[weights > 0] != 0).all()
+    torch.testing.assert_close(head[weights > 0], plain_head[weights > 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(head[weights > 0], plain_lp[weights > 0], rtol=1e-4, atol=1e-4)
     assert lp.shape == plain_lp.shape == (len(rows), input_ids.shape[1] - 1)
     real = torch.tensor([[t < len(s.input_ids) - 1 for t in range(lp.shape[1])] for s in rows])
     torch.testing.assert_close(lp[real], plain_lp[real], rtol=1e-4, atol=1e-4)

@@ -92,7 +92,6 @@ from rlcore.train.distributed import (
 from rlcore.train.sampling import StratifiedSampler, rollout_sample, sample_places
 from rlcore.train.select import choose_save
 from rlcore.train.sequences import (
-    GPU_WIDTH_STEP,
     TokenTree,
     TrainingSequence,
     collate,
@@ -532,7 +531,7 @@ def pass_batches(
     if learner.device.type == "cuda":
         planned = forest_batches(sequences, size, GPU_TREE_NODES)
         return [
-            (chunk, token_tree(chunk, learner.device, GPU_WIDTH_STEP) if as_tree else None)
+            (chunk, token_tree(chunk, learner.device) if as_tree else None)
             for chunk, as_tree in planned
         ]
     if learner.device.type != "cpu":

@@ -263,16 +263,26 @@ class TokenTree:
     nodes: torch.Tensor  # [rows, width - 1]: the node whose logits predict each target
 
 
-def token_tree(chunk: list[TrainingSequence], device, multiple: int = 1) -> TokenTree:
-    """The chunk's sequences as one trie (`TokenTree`), its targets as wide as the CPU's
-    `collate` makes them (the longest sequence's). Inserted in token order, the nodes come
-    depth first: a node's subtree is the run of nodes after it, up to where the last sequence
-    through it ends its new nodes (`ends`), so node i attends node j exactly when
-    j <= i < ends[j]. A row's targets past its end read node 0 (their weight is 0). The nodes
-    are padded to a multiple of `multiple` (on a GPU GPU_WIDTH_STEP, so a step's shapes
-    repeat), each padding node attending itself alone; the mask is built on `device` from
-    `ends`, so only the nodes' three rows are copied there."""
-    total, width = sum(len(s.input_ids) for s in chunk), max(len(s.input_ids) for s in chunk)
+def width_step(device) -> int:
+    """The multiple a training batch's width (and a token tree's nodes) is padded to on
+    `device`: on a GPU every new batch shape pays once for its kernels' set-up (attention
+    plans, allocator blocks), and widths in steps of GPU_WIDTH_STEP repeat from step to
+    step; elsewhere 1."""
+    return GPU_WIDTH_STEP if torch.device(device).type == "cuda" else 1
+
+
+def token_tree(chunk: list[TrainingSequence], device, multiple: int | None = None) -> TokenTree:
+    """The chunk's sequences as one trie (`TokenTree`), its targets as wide as `collate`
+    makes them. Inserted in token order, the nodes come depth first: a node's subtree is the
+    run of nodes after it, up to where the last sequence through it ends its new nodes
+    (`ends`), so node i attends node j exactly when j <= i < ends[j]. A row's targets past
+    its end read node 0 (their weight is 0). The nodes and the targets' width are padded to
+    a multiple of `multiple` (None: `width_step(device)`), each padding node attending
+    itself alone; the mask is built on `device` from `ends`, so only the nodes' three rows
+    are copied there."""
+    multiple = width_step(device) if multiple is None else multiple
+    total = sum(len(s.input_ids) for s in chunk)
+    width = -(-max(len(s.input_ids) for s in chunk) // multiple) * multiple
     tokens, depths, ends = (np.zeros(total, np.int64) for _ in range(3))
     nodes = np.zeros((len(chunk), width - 1), np.int64)
     count, previous, previous_path = 0, np.empty(0, np.int64), np.empty(0, np.int64)
@@ -302,14 +312,15 @@ def token_tree(chunk: list[TrainingSequence], device, multiple: int = 1) -> Toke
     )
 
 
-def collate(chunk: list[TrainingSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+def collate(
+    chunk: list[TrainingSequence], pad_id: int, device, multiple: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """Right-padded input ids, attention mask (the trainer's causal passes need none:
     `grpo.token_logprobs`), and the per-target weights and advantages (the first token is
-    never predicted, so they start at the second). Built in two host
-    arrays (ids with mask, weights with advantages), so two copies reach the device."""
-    # On a GPU every new batch shape pays once for its kernels' set-up (attention plans,
-    # allocator blocks); widths in steps of GPU_WIDTH_STEP repeat from step to step.
-    multiple = GPU_WIDTH_STEP if torch.device(device).type == "cuda" else 1
+    never predicted, so they start at the second), the width padded to a multiple of
+    `multiple` (None: `width_step(device)`). Built in two host arrays (ids with mask,
+    weights with advantages), so two copies reach the device."""
+    multiple = width_step(device) if multiple is None else multiple
     lengths = np.array([len(s.input_ids) for s in chunk])
     width = -(-int(lengths.max()) // multiple) * multiple
     tokens = np.stack(
