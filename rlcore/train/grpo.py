@@ -520,23 +520,18 @@ def pass_batches(
       a sequence that shares nothing runs in a plain micro-batch.
     - On a GPU, where a pass costs about its launches and its tokens, runs of `size`
       sequences in token order, each one tree where its trie holds at most GPU_TREE_NODES
-      nodes (sequences.forest_batches): as many passes as plain micro-batches, and neither
+      nodes (sequences.forest_batches): about as many passes as plain micro-batches, neither
       shared prefixes nor padding computed more than once.
     Elsewhere, without `trees` (the compiled pass, measured on plain batches only), and for
     attention that takes no boolean mask (only SDPA's does), every micro-batch is plain,
     sorted by length."""
-    model = learner.model
-    if not trees or model.config._attn_implementation != "sdpa":
+    model, kind = learner.model, learner.device.type
+    if not trees or model.config._attn_implementation != "sdpa" or kind not in ("cpu", "cuda"):
         return [(chunk, None) for chunk in micro_batches(sequences, size)]
-    if learner.device.type == "cuda":
+    if kind == "cuda":
         planned = forest_batches(sequences, size, GPU_TREE_NODES)
-        return [
-            (chunk, token_tree(chunk, learner.device) if as_tree else None)
-            for chunk, as_tree in planned
-        ]
-    if learner.device.type != "cpu":
-        return [(chunk, None) for chunk in micro_batches(sequences, size)]
-    planned = tree_batches(sequences, size, attention_keys_per_token(model))
+    else:
+        planned = tree_batches(sequences, size, attention_keys_per_token(model))
     return [
         (chunk, token_tree(chunk, learner.device) if as_tree else None)
         for chunk, as_tree in planned
