@@ -53,6 +53,11 @@ def plain_batches(learner, sequences, size, trees=True):
     return [(chunk, None) for chunk in micro_batches(sequences, size)]
 
 
+def padded_tokens(chunk, multiple: int) -> int:
+    """The tokens a plain pass over `chunk` computes: its rows at the padded width."""
+    return len(chunk) * -(-max(len(s.input_ids) for s in chunk) // multiple) * multiple
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -133,14 +138,11 @@ def run_size(args, games: int, device: torch.device) -> list[dict]:
     for size in args.micro_batch_size:
         cfg.micro_batch_size = size
         plain_tokens = sum(
-            len(chunk) * -(-max(len(s.input_ids) for s in chunk) // multiple) * multiple
-            for chunk in micro_batches(sequences, size)
+            padded_tokens(chunk, multiple) for chunk in micro_batches(sequences, size)
         )
         planned = trees_pass(learner, sequences, size)
         tree_tokens = sum(
-            tree.input_ids.shape[1]
-            if tree is not None
-            else len(chunk) * -(-max(len(s.input_ids) for s in chunk) // multiple) * multiple
+            tree.input_ids.shape[1] if tree is not None else padded_tokens(chunk, multiple)
             for chunk, tree in planned
         )
         seconds = {"plain": [], "trees": []}

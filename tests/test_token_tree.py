@@ -1,6 +1,7 @@
-"""The update's pass over token trees (`sequences.tree_batches`, `sequences.token_tree`,
-`sequences.forest_batches`, `grpo.pass_batches`, on the CPU): which sequences share a tree, the trie's nodes, positions
-and mask, and the same logprobs, entropy, judged-move mass and gradients as the plain pass."""
+"""The update's pass over token trees (`sequences.tree_batches`, `sequences.forest_batches`,
+`sequences.token_tree`, `grpo.pass_batches`, on the CPU): which sequences share a tree, the
+trie's nodes, positions and mask, and the same logprobs, entropy, judged-move mass and
+gradients as the plain pass."""
 
 import random
 
@@ -157,13 +158,15 @@ def test_forest_batches_cut_runs_in_token_order_and_trees_within_the_bound():
     assert [(len(run), as_tree) for run, as_tree in planned] == [(8, True), (8, True), (1, True)]
     # In token order: the groups' rows (their prompts start with SYSTEM) come first.
     assert all(s in rows for s in planned[0][0]) and all(s in lone for s in planned[2][0])
+    ordered = sorted(everything, key=lambda s: s.input_ids)
+    runs = [ordered[start : start + 8] for start in range(0, len(ordered), 8)]
     for max_nodes in (10_000, 300, 100):
         planned = forest_batches(everything, 8, max_nodes)
         assert sorted(id(s) for run, _ in planned for s in run) == sorted(map(id, everything))
-        for run, as_tree in planned:
-            assert len(run) <= 8
-            nodes = token_tree(run, "cpu").input_ids.shape[1]
-            assert (nodes <= max_nodes) == as_tree, (max_nodes, nodes)
+        assert all(len(run) <= 8 for run, _ in planned)
+        # The trees: exactly the token-order runs whose trie fits the bound.
+        fitting = [run for run in runs if token_tree(run, "cpu").input_ids.shape[1] <= max_nodes]
+        assert [run for run, as_tree in planned if as_tree] == fitting
     # Within 100 nodes only the last run fits (one 30-token sequence); the others' sequences
     # run as plain micro-batches of similar length, no more than 8 a pass.
     planned = forest_batches(everything, 8, 100)
