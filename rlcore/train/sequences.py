@@ -190,12 +190,8 @@ def tree_batches(
     costing n (1 + n / keys_per_token): each node's pass through the weights, and its
     attention scores against every node (the mask is dense). A run of one sequence shares
     nothing: those are pooled into plain micro-batches of similar length (`micro_batches`)."""
-    ordered = sorted(sequences, key=lambda s: s.input_ids)
+    ordered, shared = token_order(sequences)
     lengths = [len(s.input_ids) for s in ordered]
-    shared = [0] + [
-        common_length(np.asarray(a.input_ids), np.asarray(b.input_ids))
-        for a, b in pairwise(ordered)
-    ]
     # cost[end]: the least cost of the first `end` sequences; start[end]: where its last run starts
     cost, start = [0.0] + [float("inf")] * len(ordered), [0] * (len(ordered) + 1)
     for end in range(1, len(ordered) + 1):
@@ -228,19 +224,28 @@ def forest_batches(
     nothing packed side by side, no padding), the others' sequences run in plain
     micro-batches of similar length (`micro_batches`), so there are never many more passes
     than plain micro-batches would make."""
-    ordered = sorted(sequences, key=lambda s: s.input_ids)
+    ordered, shared = token_order(sequences)
     planned, plain = [], []
     for start in range(0, len(ordered), size):
         run = ordered[start : start + size]
-        nodes = len(run[0].input_ids) + sum(
-            len(b.input_ids) - common_length(np.asarray(a.input_ids), np.asarray(b.input_ids))
-            for a, b in pairwise(run)
-        )
+        # A run's first sequence is all new nodes; each next one adds what it does not share.
+        nodes = sum(len(s.input_ids) for s in run) - sum(shared[start + 1 : start + len(run)])
         if nodes <= max_nodes:
             planned.append((run, True))
         else:
             plain += run
     return planned + [(chunk, False) for chunk in micro_batches(plain, size)]
+
+
+def token_order(sequences: list[TrainingSequence]) -> tuple[list[TrainingSequence], list[int]]:
+    """The sequences sorted by their tokens (those sharing prefixes side by side), and how
+    many leading tokens each shares with the one before it (0 for the first)."""
+    ordered = sorted(sequences, key=lambda s: s.input_ids)
+    shared = [0] + [
+        common_length(np.asarray(a.input_ids), np.asarray(b.input_ids))
+        for a, b in pairwise(ordered)
+    ]
+    return ordered, shared
 
 
 def common_length(a: np.ndarray, b: np.ndarray) -> int:
