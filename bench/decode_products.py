@@ -19,7 +19,7 @@ one round of `rows` prompts (never stopping, sampled), which captures its steps;
 `--replays` replays of one captured step are timed (its state put back before each), first
 alone, then with each count of `--neighbours` processes replaying their own copy nonstop
 beside it. The check: greedy replies of both variants on the same prompts (tokens equal,
-largest logprob gap). A profile of five replays alone lists each variant's kernels (grid,
+largest logprob gap). A profile of ten replays alone lists each variant's kernels (grid,
 microseconds). MPS: the run's own daemon, as the lab starts one (distributed.share_card).
 Writes bench/results/decode_products_<device>.json.
 """
@@ -27,6 +27,7 @@ Writes bench/results/decode_products_<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -157,21 +158,17 @@ def build(model_name: str, variant: str, rows: int, temperature: float = 1.0):
         DecodeRequest(ids + [ids[row % len(ids)]], temperature, 1.0, row, NEW_TOKENS)
         for row in range(rows)
     ]
-    swap = TritonProducts() if variant == "triton" else None
-    with torch.no_grad():
-        if swap is not None:
-            with swap:
-                replies = decoder.generate(requests)
-            if not swap.swapped:
-                raise RuntimeError("no product was swapped: the step was not captured")
-        else:
-            replies = decoder.generate(requests)
+    swap = TritonProducts() if variant == "triton" else contextlib.nullcontext()
+    with torch.no_grad(), swap:
+        replies = decoder.generate(requests)
+    if variant == "triton" and not swap.swapped:
+        raise RuntimeError("no product was swapped: the step was not captured")
     return decoder, replies
 
 
 def timed_replays(decoder, rows: int, replays: int) -> list[float]:
     """Microseconds a replay of the captured step for `rows` rows, in blocks of 10."""
-    (key,) = [key for key in decoder.graphs if key[0] == rows][-1:]
+    key = [key for key in decoder.graphs if key[0] == rows][-1]  # the widest captured
     graph, ws = decoder.graphs[key], decoder.workspace
     saved = ws.save()
     times = []
@@ -196,7 +193,7 @@ def neighbour(model_name: str, variant: str, rows: int, ready, stop) -> None:
 
 
 def kernels_of(decoder, rows: int) -> list[dict]:
-    """Each kernel of five replays alone: name, grid, count, mean microseconds."""
+    """Each kernel of ten replays alone: name, grid, count, mean microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
